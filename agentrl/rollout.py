@@ -1,0 +1,356 @@
+"""The rollout engine: many multi-turn episodes at once, token-in/token-out.
+
+Each episode runs as its own asyncio task under a concurrency limit and a timeout: reset the env,
+tokenise the prompt, then alternate ``client.generate`` (new ids + log-probs + weight versions)
+and ``env.step`` until the env ends the episode or a budget does (turns, context tokens, time).
+Observations are appended as the chat template's delta with loss mask 0. A failing env or
+request is recorded on its trajectory and counted; it never stops the other episodes. Rewards
+come from ``env.step`` (verifiers run there, off the event loop), so scoring one episode overlaps
+with generating the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.chat import ChatTokenizer
+from agentrl.env import Env, StepResult
+from agentrl.errors import EnvError
+from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingParams
+from agentrl.types import Group, Message, Task, Timing, Trajectory, TurnSpan
+
+log = logging.getLogger(__name__)
+
+
+class RolloutConfig(BaseModel):
+    """How episodes are run."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    group_size: int = Field(8, ge=1)
+    """Episodes per task (G); advantages are normalised within a group."""
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode; more ends the episode as truncated."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Tokens sampled per assistant turn."""
+    max_total_tokens: int = Field(1024, ge=2)
+    """Context budget: prompt + every turn; reaching it truncates the episode."""
+    concurrency: int = Field(256, ge=1)
+    """Episodes in flight at once."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall time per episode; exceeding it truncates the episode (finish reason ``timeout``)."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    seed: int | None = 0
+    """Base of per-request sampling seeds (reproducible runs); ``None`` for unseeded sampling."""
+    success_threshold: float = 1.0
+    """An episode whose final reward reaches this counts as a success."""
+
+    def sampling(self) -> SamplingParams:
+        """The per-turn sampling parameters (``max_new_tokens`` is lowered near the budget)."""
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+
+class JsonlSink:
+    """Appends each trajectory to a JSONL file as it finishes (flushed, so a crash loses none)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, extra: dict[str, Any] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.extra = extra or {}
+        self._f: TextIO | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, traj: Trajectory, **fields: Any) -> None:
+        """Write one trajectory line (``extra`` and ``fields`` are added beside it)."""
+        if self._f is None:
+            raise ValueError(f"sink {self.path} is closed")
+        rec = {**self.extra, **fields, "trajectory": traj.model_dump(mode="json")}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+@dataclass(slots=True)
+class _Episode:
+    """Mutable state of one running episode (becomes a :class:`Trajectory` at the end)."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[TurnSpan] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    prompt_len: int = 0
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    finish_reason: str = ""
+    error: str | None = None
+    timing: Timing = field(default_factory=Timing)
+
+    def append_observation(self, ids: list[int]) -> None:
+        n = len(self.tokens)
+        self.tokens += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.turns.append(TurnSpan(kind="observation", start=n, end=len(self.tokens)))
+
+    def append_output(self, out: GenerateOutput) -> TurnSpan:
+        n = len(self.tokens)
+        self.tokens += out.output_ids
+        self.loss_mask += [1] * len(out.output_ids)
+        self.logprobs += out.logprobs
+        self.versions += out.versions
+        span = TurnSpan(kind="assistant", start=n, end=len(self.tokens))
+        self.turns.append(span)
+        return span
+
+
+EnvFactory = Callable[[], Env]
+
+
+class RolloutEngine:
+    """Runs groups of episodes concurrently against an :class:`InferenceClient`.
+
+    Args:
+        client: the inference backend (SGLang over HTTP, or the embedded engine).
+        tokenizer: the policy's tokenizer (with a chat template).
+        config: budgets, group size, sampling.
+        chat: a :class:`ChatTokenizer` (built from ``tokenizer`` when omitted).
+    """
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: Any,
+        config: RolloutConfig | None = None,
+        *,
+        chat: ChatTokenizer | None = None,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = config or RolloutConfig()
+        self.chat = chat or ChatTokenizer(tokenizer)
+        self._sem = asyncio.Semaphore(self.config.concurrency)
+        self._token_text: dict[int, str] = {}
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _decode_action(self, out: GenerateOutput) -> tuple[str, str | None]:
+        """The assistant's text for the env, and the text of the stop token if it ended on one."""
+        ids = out.output_ids
+        stop_text = None
+        if out.finish_reason == "stop" and ids:
+            stop_text = self._text_of(ids[-1])
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True), stop_text
+
+    async def run_episode(
+        self, make_env: EnvFactory, task: Task, *, env_id: str = "", group_index: int = 0,
+        seed: int | None = None,
+    ) -> Trajectory:
+        """Run one episode to its end; errors are recorded on the returned trajectory."""
+        ep = _Episode()
+        ep.timing.started_at = time.time()
+        t0 = time.perf_counter()
+        episode_id = f"{task.id}#{group_index}@{seed}"
+        rid: list[str | None] = [None]
+        env: Env | None = None
+        async with self._sem:
+            try:
+                env = make_env()
+                async with asyncio.timeout(self.config.episode_timeout_s):
+                    await self._loop(env, task, ep, episode_id, seed, rid)
+            except TimeoutError:
+                ep.truncated, ep.finish_reason = True, "timeout"
+                if rid[0] is not None:
+                    await self._abort_quietly(rid[0])
+            except Exception as e:  # a bad episode is data, not a crash
+                ep.error, ep.finish_reason = f"{type(e).__name__}: {e}", "error"
+                log.debug("episode %s failed", episode_id, exc_info=True)
+            finally:
+                if env is not None:
+                    await self._close_quietly(env, ep)
+        ep.timing.wall_s = time.perf_counter() - t0
+        return Trajectory(
+            task_id=task.id, env_id=env_id, group_index=group_index, messages=ep.messages,
+            prompt_len=ep.prompt_len, tokens=ep.tokens, loss_mask=ep.loss_mask,
+            logprobs=ep.logprobs, versions=ep.versions, turns=ep.turns, reward=ep.reward,
+            terminated=ep.terminated, truncated=ep.truncated, finish_reason=ep.finish_reason,
+            error=ep.error, timing=ep.timing,
+        )
+
+    async def _loop(
+        self, env: Env, task: Task, ep: _Episode, episode_id: str, seed: int | None,
+        rid: list[str | None],
+    ) -> None:
+        cfg = self.config
+        t = time.perf_counter()
+        first, _ = await env.reset(task, seed=seed)
+        ep.timing.env_s += time.perf_counter() - t
+        ep.messages += first
+        ep.tokens = self.chat.prompt_ids(first)
+        ep.prompt_len = n = len(ep.tokens)
+        ep.loss_mask, ep.logprobs, ep.versions = [0] * n, [0.0] * n, [-1] * n
+        base = cfg.sampling()
+        for turn in range(cfg.max_turns):
+            budget = cfg.max_total_tokens - len(ep.tokens)
+            if budget <= 0:
+                ep.truncated, ep.finish_reason = True, "max_tokens"
+                return
+            params = replace(
+                base,
+                max_new_tokens=min(cfg.max_new_tokens, budget),
+                seed=None if seed is None else (seed * 1009 + turn) % (2**31),
+            )
+            rid[0] = f"{episode_id}/t{turn}"
+            t = time.perf_counter()
+            out = await self.client.generate(ep.tokens, params, rid=rid[0], session_id=episode_id)
+            ep.timing.generate_s += time.perf_counter() - t
+            rid[0] = None
+            span = ep.append_output(out)
+            action, stop_text = self._decode_action(out)
+            ep.messages.append(Message(role="assistant", content=action))
+            if out.finish_reason == "abort":
+                raise EnvError(f"generation aborted by the server ({out.rid})")
+            t = time.perf_counter()
+            result = await env.step(action)
+            ep.timing.env_s += time.perf_counter() - t
+            if not isinstance(result, StepResult):
+                raise EnvError(f"step() returned {type(result).__name__}, expected StepResult")
+            span.reward, span.info = result.reward, dict(result.info)
+            ep.messages += result.observation
+            if result.terminated or result.truncated:
+                ep.reward = result.reward
+                ep.terminated, ep.truncated = result.terminated, result.truncated
+                ep.finish_reason = "terminated" if result.terminated else "env_truncated"
+                return
+            obs = self.chat.observation_ids(result.observation, last_token_text=stop_text)
+            if len(ep.tokens) + len(obs) >= cfg.max_total_tokens:
+                ep.truncated, ep.finish_reason = True, "max_tokens"
+                return
+            ep.append_observation(obs)
+        ep.truncated, ep.finish_reason = True, "max_turns"
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await self.client.abort(rid)
+        except Exception:
+            log.debug("abort of %s failed", rid, exc_info=True)
+
+    async def _close_quietly(self, env: Env, ep: _Episode) -> None:
+        try:
+            await env.close()
+        except Exception as e:
+            if ep.error is None:
+                ep.error, ep.finish_reason = f"{type(e).__name__} in close(): {e}", "error"
+
+    async def stream_groups(
+        self,
+        make_env: EnvFactory,
+        tasks: Sequence[Task],
+        *,
+        env_id: str = "",
+        sink: JsonlSink | None = None,
+        seed_offset: int = 0,
+    ) -> AsyncIterator[Group]:
+        """Run G episodes per task concurrently; yield each group as soon as it is complete.
+
+        Every trajectory goes to ``sink`` the moment it finishes. Episode seeds are derived from
+        ``config.seed``, the task's position plus ``seed_offset``, and the group index.
+        """
+        g = self.config.group_size
+        base = self.config.seed
+
+        async def one(ti: int, task: Task, gi: int) -> tuple[int, Trajectory]:
+            seed = None if base is None else base + (seed_offset + ti) * g + gi
+            traj = await self.run_episode(make_env, task, env_id=env_id, group_index=gi, seed=seed)
+            if sink is not None:
+                sink.write(traj)
+            return ti, traj
+
+        pending = {
+            asyncio.ensure_future(one(ti, task, gi))
+            for ti, task in enumerate(tasks)
+            for gi in range(g)
+        }
+        done_by_task: dict[int, list[Trajectory]] = {}
+        try:
+            for fut in asyncio.as_completed(pending):
+                ti, traj = await fut
+                bucket = done_by_task.setdefault(ti, [])
+                bucket.append(traj)
+                if len(bucket) == g:
+                    bucket.sort(key=lambda t: t.group_index)
+                    yield Group(task=tasks[ti], trajectories=done_by_task.pop(ti))
+        finally:
+            for f in pending:
+                f.cancel()
+
+    async def run_groups(
+        self,
+        make_env: EnvFactory,
+        tasks: Sequence[Task],
+        *,
+        env_id: str = "",
+        sink: JsonlSink | None = None,
+        seed_offset: int = 0,
+    ) -> list[Group]:
+        """Like :meth:`stream_groups`, collected into a list in task order."""
+        order = {id(t): i for i, t in enumerate(tasks)}
+        groups = [
+            grp
+            async for grp in self.stream_groups(
+                make_env, tasks, env_id=env_id, sink=sink, seed_offset=seed_offset
+            )
+        ]
+        return sorted(groups, key=lambda grp: order.get(id(grp.task), 0))
+
+
+def rollout_metrics(groups: Sequence[Group], *, success_threshold: float = 1.0) -> dict[str, float]:
+    """Namespaced summary metrics of a batch of groups (``rollout/...``)."""
+    trajs = [t for grp in groups for t in grp.trajectories]
+    if not trajs:
+        return {"rollout/episodes": 0.0}
+    n = len(trajs)
+    rewards = [t.reward for t in trajs]
+    mean = sum(rewards) / n
+    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+    return {
+        "rollout/episodes": float(n),
+        "rollout/reward_mean": mean,
+        "rollout/reward_std": std,
+        "rollout/success_rate": sum(r >= success_threshold for r in rewards) / n,
+        "rollout/failed": float(sum(t.failed for t in trajs)),
+        "rollout/truncated_frac": sum(t.truncated for t in trajs) / n,
+        "rollout/response_len_mean": sum(t.num_response_tokens for t in trajs) / n,
+        "rollout/turns_mean": sum(len(t.turn_rewards) for t in trajs) / n,
+        "rollout/generate_s_mean": sum(t.timing.generate_s for t in trajs) / n,
+    }

@@ -1,0 +1,116 @@
+"""Tiny models and tokenizers built locally, with no download.
+
+Tests, CPU demos and ``agentrl serve --model tiny`` use a Qwen3-architecture model built from a
+config and a character-level tokenizer made here, with a Qwen-style chat template. Random
+initialisation is seeded, so the same call gives the same weights on every machine.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# Qwen-style ChatML: every message is "<|im_start|>role\ncontent<|im_end|>\n".
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+# Like Qwen3's thinking template: earlier assistant turns lose their <think>...</think> block, so
+# re-rendering a conversation rewrites past turns (the case append-only tokenisation avoids).
+THINKING_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- set c = m['content'] %}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last and '</think>' in c %}"
+    "{%- set c = c.split('</think>')[-1].lstrip('\n') %}"
+    "{%- endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def _char_vocab() -> list[str]:
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    return SPECIAL_TOKENS + chars + ["<unk>"]
+
+
+def build_tiny_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (printable ASCII + ChatML specials) with a chat template."""
+    vocab = {tok: i for i, tok in enumerate(_char_vocab())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = chat_template
+    return fast
+
+
+def tiny_config(vocab_size: int, **overrides: Any) -> Qwen3Config:
+    """A Qwen3 config a few layers deep; ``overrides`` change any field."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, **overrides: Any
+) -> Qwen3ForCausalLM:
+    """A float32 Qwen3 model with seeded random weights sized for ``tokenizer``."""
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = tiny_config(len(tokenizer), **overrides)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.float().eval()
+
+
+def build_tiny(seed: int = 0, **overrides: Any) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
+    """The tiny model and its tokenizer together."""
+    tokenizer = build_tiny_tokenizer()
+    return build_tiny_model(tokenizer, seed=seed, **overrides), tokenizer

@@ -1,0 +1,132 @@
+"""Data types that cross module boundaries: tasks, messages, trajectories, groups.
+
+Pydantic is used here because these objects are saved (JSONL) and loaded back; models forbid
+unknown fields so typos surface. A :class:`Trajectory` is token-in/token-out: ``tokens`` are
+exactly the ids the engine was conditioned on and sampled, and every per-token list has the same
+length as ``tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class Message(_Model):
+    """One chat message."""
+
+    role: Role
+    """Who speaks: ``system``, ``user``, ``assistant`` or ``tool``."""
+    content: str
+    """The text of the message."""
+
+
+class Task(_Model):
+    """One problem an environment is reset with."""
+
+    id: str
+    """Stable identifier, unique within a data set."""
+    prompt: str
+    """The question or statement shown to the agent."""
+    answer: str | None = None
+    """Reference answer, if the task has one (math)."""
+    data: dict[str, Any] = Field(default_factory=dict)
+    """Anything else the env or verifier needs (tests, entry point, ...)."""
+
+
+class TurnSpan(_Model):
+    """Which tokens of a trajectory belong to one turn: ``tokens[start:end]``."""
+
+    kind: Literal["assistant", "observation"]
+    """``assistant`` turns are sampled (loss mask 1); ``observation`` turns are env/tool tokens."""
+    start: int
+    end: int
+    reward: float | None = None
+    """Per-turn reward given by the env for this step (assistant turns only)."""
+    info: dict[str, Any] = Field(default_factory=dict)
+    """Diagnostics from the env for this step (tool errors, tests passed, ...)."""
+
+
+class Timing(_Model):
+    """Where an episode's wall time went, in seconds."""
+
+    started_at: float = 0.0
+    wall_s: float = 0.0
+    generate_s: float = 0.0
+    env_s: float = 0.0
+
+
+class Trajectory(_Model):
+    """One episode: the token sequence, its per-token data, turns, rewards and outcome."""
+
+    task_id: str
+    env_id: str
+    group_index: int = 0
+    """Index of this episode inside its group of G."""
+    messages: list[Message] = Field(default_factory=list)
+    """The conversation as text (for people; training uses ``tokens``)."""
+    prompt_len: int = 0
+    """Number of prompt tokens at the start of ``tokens``."""
+    tokens: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    """1 for tokens sampled by the policy, 0 for prompt/observation/tool tokens."""
+    logprobs: list[float] = Field(default_factory=list)
+    """Behaviour log-prob of each sampled token (0.0 where ``loss_mask`` is 0)."""
+    versions: list[int] = Field(default_factory=list)
+    """Weight version that sampled each token (-1 where ``loss_mask`` is 0)."""
+    turns: list[TurnSpan] = Field(default_factory=list)
+    reward: float = 0.0
+    """Final (episode) reward."""
+    terminated: bool = False
+    """The env ended the episode (a natural end)."""
+    truncated: bool = False
+    """A budget ended the episode (turns, tokens, time)."""
+    finish_reason: str = ""
+    """Why the episode ended: ``terminated``, ``max_turns``, ``max_tokens``, ``timeout``, ``error``."""
+    error: str | None = None
+    """``"Type: message"`` of the exception that failed this episode, else ``None``."""
+    timing: Timing = Field(default_factory=Timing)
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Trajectory:
+        n = len(self.tokens)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name}: expected {n} entries (one per token), got "
+                                 f"{len(getattr(self, name))}")
+        return self
+
+    @property
+    def failed(self) -> bool:
+        """Whether the episode ended in an error."""
+        return self.error is not None
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Number of loss-masked (sampled) tokens."""
+        return sum(self.loss_mask)
+
+    @property
+    def turn_rewards(self) -> list[float | None]:
+        """Per-turn rewards of the assistant turns, in order."""
+        return [t.reward for t in self.turns if t.kind == "assistant"]
+
+
+class Group(_Model):
+    """The G episodes of one task; advantages are computed within a group."""
+
+    task: Task
+    trajectories: list[Trajectory]
+
+    @property
+    def rewards(self) -> list[float]:
+        """Final reward of each episode."""
+        return [t.reward for t in self.trajectories]

@@ -1,0 +1,6 @@
+"""Built-in environments (installed as ``agentrl.envs``): one file each, one line to register."""
+
+from agentrl.env import register
+
+register("arith-v0", "agentrl.envs.arith:ArithEnv")
+register("guess-v0", "agentrl.envs.guess:GuessEnv")
