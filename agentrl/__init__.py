@@ -1,5 +1,51 @@
-"""agentrl: train LLM agents with reinforcement learning over multi-turn interactions."""
+"""agentrl: train LLM agents with reinforcement learning over multi-turn interactions.
+
+The public surface is small on purpose; everything else is imported from its submodule.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from agentrl.env import Env, StepResult, Tool, ToolEnv, make, register
+from agentrl.types import Group, Message, Task, Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.config import load_config
+    from agentrl.rollout import RolloutConfig, RolloutEngine
+    from agentrl.trainer import Trainer
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Env",
+    "Group",
+    "Message",
+    "RolloutConfig",
+    "RolloutEngine",
+    "StepResult",
+    "Task",
+    "Tool",
+    "ToolEnv",
+    "Trainer",
+    "Trajectory",
+    "load_config",
+    "make",
+    "register",
+]
+
+_LAZY = {
+    "RolloutConfig": "agentrl.rollout",
+    "RolloutEngine": "agentrl.rollout",
+    "Trainer": "agentrl.trainer",
+    "load_config": "agentrl.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # torch-heavy modules load on first use, so `import agentrl` stays light.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentrl' has no attribute {name!r}")
