@@ -1,4 +1,4 @@
-"""Append-only tokenisation of a conversation with a chat template.
+r"""Append-only tokenisation of a conversation with a chat template.
 
 Re-tokenising a whole conversation after every turn is wrong for RL: BPE can merge across turn
 borders, a sampled token sequence need not be the canonical encoding of its own text, and some
@@ -8,7 +8,7 @@ sequence only grows:
 
 * the first prompt is the template rendered with the generation prompt;
 * after each assistant turn, the env's observation is appended as the template's *delta*: the
-  text that closes the assistant turn (what follows the sampled stop token, e.g. ``"\\n"``),
+  text that closes the assistant turn (what follows the sampled stop token, e.g. ``"\n"``),
   the new messages, and the next generation prompt. The delta is found by rendering a fixed
   dummy conversation with and without the new messages, so past turns are never re-rendered.
 """
@@ -60,7 +60,7 @@ class ChatTokenizer:
         return text
 
     def _find_closing(self) -> str:
-        """The template text that follows an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        r"""The template text after an assistant message's content (e.g. ``<|im_end|>\n``)."""
         prompt = self._render(_DUMMY[:1], add_generation_prompt=True)
         full = self._render(_DUMMY, add_generation_prompt=False)
         content = _DUMMY[1]["content"]

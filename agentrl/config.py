@@ -55,6 +55,10 @@ class EnvConfig(_Section):
     """A JSONL/Parquet file of training tasks; ``None`` uses the env's own generator."""
     eval_tasks: str | None = None
     """A file of held-out tasks; ``None`` uses the generator's test split."""
+    prompt_field: str = "question"
+    """Field of a task file that holds the question."""
+    answer_field: str | None = "answer"
+    """Field of a task file that holds the reference answer (``None``: tasks have none)."""
     task_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Arguments of the env's ``sample_tasks`` generator."""
     num_train_tasks: int = Field(4096, ge=1)
@@ -164,8 +168,9 @@ def load_config(
     source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None
 ) -> TrainConfig:
     """Read, override and validate a :class:`TrainConfig`; errors name the offending field."""
-    tree: dict[str, Any] = {} if source is None else (
-        dict(source) if isinstance(source, dict) else read_file(source))
+    tree: dict[str, Any] = (
+        {} if source is None else (dict(source) if isinstance(source, dict) else read_file(source))
+    )
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     try:

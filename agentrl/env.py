@@ -54,7 +54,7 @@ class Env(ABC):
     async def step(self, action: str) -> StepResult:
         """Apply the assistant's text ``action``; return observation, reward and end flags."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook; most envs hold nothing
         """Release resources; called once per episode however it ends, and safe to call twice."""
 
     @classmethod
@@ -165,11 +165,15 @@ def render_tool_response(content: str) -> Message:
 
 def describe_tools(tools: list[Tool]) -> str:
     """A system-prompt paragraph that lists ``tools`` and the call format."""
-    lines = ["You may call tools. Write exactly:", '<tool_call>{"name": NAME, "arguments": {...}}'
-             "</tool_call>", "Tools:"]
+    lines = [
+        "You may call tools. Write exactly:",
+        '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>',
+        "Tools:",
+    ]
     for t in tools:
-        lines.append(json.dumps({"name": t.name, "description": t.description,
-                                 "parameters": t.parameters}))
+        lines.append(
+            json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
+        )
     return "\n".join(lines)
 
 
@@ -253,7 +257,9 @@ def register(env_id: str, entry_point: str | Callable[..., Env], **kwargs: Any) 
     _REGISTRY[env_id] = _Spec(env_id, entry_point, kwargs)
     gym_id = f"agentrl/{env_id}"
     if gym_id not in gymnasium.registry:
-        gymnasium.register(id=gym_id, entry_point=GymAdapter, kwargs={"env_id": env_id})
+        gymnasium.register(
+            id=gym_id, entry_point="agentrl.env:GymAdapter", kwargs={"env_id": env_id}
+        )
 
 
 def _load_builtins() -> None:
@@ -268,7 +274,8 @@ def env_class(env_id: str) -> Callable[..., Env]:
         raise ConfigError(f"env_id: unknown env {env_id!r}; registered: {sorted(_REGISTRY)}")
     if isinstance(spec.entry_point, str):
         module, _, attr = spec.entry_point.partition(":")
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        factory: Callable[..., Env] = getattr(importlib.import_module(module), attr)
+        return factory
     return spec.entry_point
 
 
@@ -297,14 +304,12 @@ def _render(messages: list[Message]) -> str:
     return "\n".join(f"{m.role}: {m.content}" for m in messages)
 
 
-class GymAdapter(gymnasium.Env):  # type: ignore[misc]
+class GymAdapter(gymnasium.Env[str, str]):
     """A registered agentrl env as a synchronous gymnasium env with text spaces.
 
     ``reset(options={"task": Task | dict})`` (or a generated task when the env can make them);
     observations are the new messages rendered as ``"role: content"`` lines.
     """
-
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def __init__(self, env_id: str, **kwargs: Any) -> None:
         self.env = make(env_id, **kwargs)

@@ -173,7 +173,12 @@ class RolloutEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True), stop_text
 
     async def run_episode(
-        self, make_env: EnvFactory, task: Task, *, env_id: str = "", group_index: int = 0,
+        self,
+        make_env: EnvFactory,
+        task: Task,
+        *,
+        env_id: str = "",
+        group_index: int = 0,
         seed: int | None = None,
     ) -> Trajectory:
         """Run one episode to its end; errors are recorded on the returned trajectory."""
@@ -200,15 +205,31 @@ class RolloutEngine:
                     await self._close_quietly(env, ep)
         ep.timing.wall_s = time.perf_counter() - t0
         return Trajectory(
-            task_id=task.id, env_id=env_id, group_index=group_index, messages=ep.messages,
-            prompt_len=ep.prompt_len, tokens=ep.tokens, loss_mask=ep.loss_mask,
-            logprobs=ep.logprobs, versions=ep.versions, turns=ep.turns, reward=ep.reward,
-            terminated=ep.terminated, truncated=ep.truncated, finish_reason=ep.finish_reason,
-            error=ep.error, timing=ep.timing,
+            task_id=task.id,
+            env_id=env_id,
+            group_index=group_index,
+            messages=ep.messages,
+            prompt_len=ep.prompt_len,
+            tokens=ep.tokens,
+            loss_mask=ep.loss_mask,
+            logprobs=ep.logprobs,
+            versions=ep.versions,
+            turns=ep.turns,
+            reward=ep.reward,
+            terminated=ep.terminated,
+            truncated=ep.truncated,
+            finish_reason=ep.finish_reason,
+            error=ep.error,
+            timing=ep.timing,
         )
 
     async def _loop(
-        self, env: Env, task: Task, ep: _Episode, episode_id: str, seed: int | None,
+        self,
+        env: Env,
+        task: Task,
+        ep: _Episode,
+        episode_id: str,
+        seed: int | None,
         rid: list[str | None],
     ) -> None:
         cfg = self.config

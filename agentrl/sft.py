@@ -92,10 +92,10 @@ async def sft(
             model.eval()
             success = await check()
             model.train()
-            log.info("cold start step %d: loss %.4f, held-out success %.3f", done, loss_value,
-                     success)
+            log.info(
+                "cold start step %d: loss %.4f, held-out success %.3f", done, loss_value, success
+            )
             if success >= target:
                 break
     model.eval()
     return {"sft/loss": loss_value, "sft/steps": float(done)}
-

@@ -30,7 +30,7 @@ from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
 from agentrl.learner import Learner, LearnerConfig
 from agentrl.packing import samples_from_trajectories
-from agentrl.rollout import JsonlSink, RolloutEngine, rollout_metrics
+from agentrl.rollout import RolloutEngine, rollout_metrics
 from agentrl.sft import build_demonstrations, sft
 from agentrl.types import Group, Task, Trajectory
 
@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003  # eval episodes never share seeds with training episodes
 
 
-def load_policy(config: TrainConfig) -> tuple[torch.nn.Module, Any]:
+def load_policy(config: TrainConfig) -> tuple[Any, Any]:
     """The policy model and tokenizer named by ``config.model`` (``tiny`` builds locally)."""
+    model: Any
+    tok: Any
     if config.model.path == "tiny":
         from agentrl.tiny import build_tiny
 
@@ -60,15 +62,20 @@ def load_tasks(config: TrainConfig, split: str) -> list[Task]:
     if path is not None:
         from agentrl.data import load_tasks as load_file
 
-        return load_file(path)
+        return load_file(
+            path, prompt_field=config.env.prompt_field, answer_field=config.env.answer_field
+        )
     n = config.env.num_train_tasks if split == "train" else config.env.num_eval_tasks
     cls = env_class(config.env.id)
     return cls.sample_tasks(n, seed=config.seed, split=split, **config.env.task_kwargs)  # type: ignore[attr-defined]
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -81,8 +88,11 @@ def _drop_lines_after(path: Path, step: int) -> None:
     """Remove records of steps after ``step`` (written after the checkpoint we resume from)."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-            if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    keep = [
+        ln
+        for ln in path.read_text(encoding="utf-8").splitlines()
+        if ln.strip() and json.loads(ln).get("step", 0) <= step
+    ]
     path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
 
 
@@ -117,17 +127,22 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model, self.tokenizer = load_policy(config)
         self.chat = ChatTokenizer(self.tokenizer)
-        learner_fields = {"temperature": config.rollout.temperature or 1.0, "seed": config.seed}
+        learner_fields: dict[str, Any] = {
+            "temperature": config.rollout.temperature or 1.0,
+            "seed": config.seed,
+        }
         learner_fields.update(config.learner)
         self.learner = Learner(self.model, LearnerConfig(**learner_fields))
         self.train_tasks = load_tasks(config, "train")
         self.eval_tasks = load_tasks(config, "test")
         self.client: InferenceClient = self._make_client()
         self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
-        eval_cfg = config.rollout.model_copy(update={
-            "group_size": config.train.eval_samples,
-            "temperature": config.train.eval_temperature,
-        })
+        eval_cfg = config.rollout.model_copy(
+            update={
+                "group_size": config.train.eval_samples,
+                "temperature": config.train.eval_temperature,
+            }
+        )
         self.evaluator = RolloutEngine(self.client, self.tokenizer, eval_cfg, chat=self.chat)
 
     # ------------------------------------------------------------------ plumbing
@@ -140,12 +155,16 @@ class Trainer:
         if self.config.inference.endpoints:
             from agentrl.inference.client import SGLangClient
 
-            return SGLangClient(self.config.inference.endpoints,
-                                timeout_s=self.config.inference.timeout_s)
+            return SGLangClient(
+                self.config.inference.endpoints, timeout_s=self.config.inference.timeout_s
+            )
         from agentrl.inference.engine import LocalEngine
 
-        return LocalEngine(copy.deepcopy(self.model), self.tokenizer,
-                           max_batch_size=self.config.inference.max_batch_size)
+        return LocalEngine(
+            copy.deepcopy(self.model),
+            self.tokenizer,
+            max_batch_size=self.config.inference.max_batch_size,
+        )
 
     async def sync_weights(self) -> float:
         """Push the learner's weights to the engine as version ``step``; returns seconds."""
@@ -157,7 +176,8 @@ class Trainer:
         else:
             engine: Any = self.client
             await engine.update_weights_from_state_dict(
-                self.learner.state_dict_for_inference(), self.step)
+                self.learner.state_dict_for_inference(), self.step
+            )
         return time.perf_counter() - t
 
     def next_tasks(self) -> list[Task]:
@@ -176,11 +196,13 @@ class Trainer:
     async def evaluate(self) -> dict[str, float]:
         """Held-out success (pass@1 over ``eval_samples`` samples per task)."""
         groups = await self.evaluator.run_groups(
-            self.make_env, self.eval_tasks, env_id=self.config.env.id,
-            seed_offset=EVAL_SEED_OFFSET)
+            self.make_env, self.eval_tasks, env_id=self.config.env.id, seed_offset=EVAL_SEED_OFFSET
+        )
         m = rollout_metrics(groups, success_threshold=self.config.rollout.success_threshold)
-        return {"eval/success_rate": m["rollout/success_rate"],
-                "eval/reward_mean": m["rollout/reward_mean"]}
+        return {
+            "eval/success_rate": m["rollout/success_rate"],
+            "eval/reward_mean": m["rollout/reward_mean"],
+        }
 
     async def cold_start(self) -> dict[str, float]:
         """Supervised warm-up on demonstrations of training tasks (skipped when 0 steps)."""
@@ -194,9 +216,18 @@ class Trainer:
             await self.sync_weights()
             return (await self.evaluate())["eval/success_rate"]
 
-        stats = await sft(self.model, demos, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
-                          seed=self.config.seed, pad_id=self.tokenizer.pad_token_id or 0,
-                          check=check, check_every=cs.check_every, target=cs.target_success)
+        stats = await sft(
+            self.model,
+            demos,
+            steps=cs.steps,
+            batch_size=cs.batch_size,
+            lr=cs.lr,
+            seed=self.config.seed,
+            pad_id=self.tokenizer.pad_token_id or 0,
+            check=check,
+            check_every=cs.check_every,
+            target=cs.target_success,
+        )
         self.learner.reset_optimizer()
         await self.sync_weights()
         return stats
@@ -213,8 +244,11 @@ class Trainer:
         t0 = time.perf_counter()
         tasks = self.next_tasks()
         groups = await self.rollout.run_groups(
-            self.make_env, tasks, env_id=self.config.env.id,
-            seed_offset=self.step * self.config.train.tasks_per_step)
+            self.make_env,
+            tasks,
+            env_id=self.config.env.id,
+            seed_offset=self.step * self.config.train.tasks_per_step,
+        )
         t_rollout = time.perf_counter() - t0
         metrics = rollout_metrics(groups, success_threshold=self.config.rollout.success_threshold)
         if self.config.advantages.shuffle_rewards:
@@ -229,8 +263,13 @@ class Trainer:
         self.step += 1
         metrics["time/sync_s"] = await self.sync_weights()
         self._write_trajectories(trajs, advs)
-        metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train,
-                        "time/step_s": time.perf_counter() - t0})
+        metrics.update(
+            {
+                "time/rollout_s": t_rollout,
+                "time/train_s": t_train,
+                "time/step_s": time.perf_counter() - t0,
+            }
+        )
         return metrics
 
     def _training_batch(
@@ -238,31 +277,38 @@ class Trainer:
     ) -> tuple[list[Trajectory], list[torch.Tensor], int]:
         """Trajectories that carry signal, with their per-token advantages.
 
-        Failed episodes are left out (they are counted in metrics); groups whose rewards are all
-        equal have zero advantage everywhere and are skipped, since they carry no signal.
+        Failed episodes are left out (they are counted in metrics). A trajectory whose
+        advantages are zero everywhere (a group with equal rewards and no shaping penalty)
+        would add nothing to the gradient, so it is not sent to the learner; such groups are
+        counted as ``zero_signal``.
         """
         trajs: list[Trajectory] = []
         advs: list[torch.Tensor] = []
-        skipped = 0
+        zero_signal = 0
         for g in groups:
             ok = [t for t in g.trajectories if not t.failed]
-            if len(ok) < 2 or len({t.reward for t in ok}) == 1:
-                skipped += 1
+            if not ok:
                 continue
             clean = Group(task=g.task, trajectories=ok)
             per_token = compute_token_advantages(
-                clean, self.config.advantages.shapers, eps=self.config.advantages.eps)
-            trajs += ok
-            advs += per_token
-        return trajs, advs, skipped
+                clean, self.config.advantages.shapers, eps=self.config.advantages.eps
+            )
+            keep = [(t, a) for t, a in zip(ok, per_token, strict=True) if bool(a.any())]
+            zero_signal += not keep
+            trajs += [t for t, _ in keep]
+            advs += [a for _, a in keep]
+        return trajs, advs, zero_signal
 
     def _write_trajectories(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> None:
         trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
         with (self.run_dir / "trajectories.jsonl").open("a", encoding="utf-8") as f:
             for i, (t, a) in enumerate(zip(trajs, advs, strict=True)):
-                rec = {"step": self.step, "advantages": [round(x, 6) for x in a.tolist()],
-                       "trainer_logprobs": trainer_lp[i] if i < len(trainer_lp) else None,
-                       "trajectory": t.model_dump(mode="json")}
+                rec = {
+                    "step": self.step,
+                    "advantages": [round(x, 6) for x in a.tolist()],
+                    "trainer_logprobs": trainer_lp[i] if i < len(trainer_lp) else None,
+                    "trajectory": t.model_dump(mode="json"),
+                }
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
@@ -272,8 +318,10 @@ class Trainer:
         path = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         self.learner.save_checkpoint(path)
-        torch.save({"step": self.step, "cursor": self.cursor, "rng": _rng_state()},
-                   path / "trainer_state.pt")
+        torch.save(
+            {"step": self.step, "cursor": self.cursor, "rng": _rng_state()},
+            path / "trainer_state.pt",
+        )
         (self.run_dir / "checkpoints" / "latest").write_text(path.name)
         return path
 
@@ -340,8 +388,9 @@ class Trainer:
         self.save_checkpoint()
         return self._summarise(start, end, t_start, t_rl)
 
-    def _summarise(self, start: dict[str, float], end: dict[str, float], t_start: float,
-                   t_rl: float) -> dict[str, Any]:
+    def _summarise(
+        self, start: dict[str, float], end: dict[str, float], t_start: float, t_rl: float
+    ) -> dict[str, Any]:
         summary = {
             "success_start": start["eval/success_rate"],
             "success_end": end["eval/success_rate"],

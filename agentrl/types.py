@@ -89,7 +89,7 @@ class Trajectory(_Model):
     truncated: bool = False
     """A budget ended the episode (turns, tokens, time)."""
     finish_reason: str = ""
-    """Why the episode ended: ``terminated``, ``max_turns``, ``max_tokens``, ``timeout``, ``error``."""
+    """Why it ended: ``terminated``, ``max_turns``, ``max_tokens``, ``timeout`` or ``error``."""
     error: str | None = None
     """``"Type: message"`` of the exception that failed this episode, else ``None``."""
     timing: Timing = Field(default_factory=Timing)
@@ -100,8 +100,9 @@ class Trajectory(_Model):
         n = len(self.tokens)
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"{name}: expected {n} entries (one per token), got "
-                                 f"{len(getattr(self, name))}")
+                raise ValueError(
+                    f"{name}: expected {n} entries (one per token), got {len(getattr(self, name))}"
+                )
         return self
 
     @property

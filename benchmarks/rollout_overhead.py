@@ -33,9 +33,15 @@ class InstantClient:
     async def generate(self, input_ids, params: SamplingParams, *, rid=None, session_id=None):
         self.calls += 1
         n = len(self.reply)
-        return GenerateOutput(rid=rid or "", output_ids=list(self.reply), logprobs=[-0.1] * n,
-                              versions=[0] * n, finish_reason="stop", weight_version=0,
-                              prompt_tokens=len(input_ids))
+        return GenerateOutput(
+            rid=rid or "",
+            output_ids=list(self.reply),
+            logprobs=[-0.1] * n,
+            versions=[0] * n,
+            finish_reason="stop",
+            weight_version=0,
+            prompt_tokens=len(input_ids),
+        )
 
     async def abort(self, rid=None) -> None: ...
 
@@ -67,8 +73,9 @@ class CountdownEnv(Env):
 async def one_run(episodes: int, turns: int) -> tuple[float, int]:
     tok = build_tiny_tokenizer()
     client = InstantClient(tok.encode("42", add_special_tokens=False) + [tok.eos_token_id])
-    cfg = RolloutConfig(group_size=8, max_turns=turns + 1, concurrency=episodes,
-                        max_total_tokens=4096)
+    cfg = RolloutConfig(
+        group_size=8, max_turns=turns + 1, concurrency=episodes, max_total_tokens=4096
+    )
     engine = RolloutEngine(client, tok, cfg)
     tasks = [Task(id=f"t{i}", prompt="go") for i in range(episodes // cfg.group_size)]
     t = time.perf_counter()
@@ -90,11 +97,22 @@ def main() -> None:
     med = statistics.median(per_turn)
     print(f"{'episodes':>10} {'turns':>7} {'median s':>10} {'turns/s':>10} {'us/turn':>9}")
     for dt, calls in runs:
-        print(f"{args.episodes:>10} {calls:>7} {dt:>10.3f} {calls / dt:>10.0f} "
-              f"{dt / calls * 1e6:>9.1f}")
-    print(json.dumps({"benchmark": "rollout_overhead", "episodes": args.episodes,
-                      "turns_per_s": round(1 / med), "overhead_us_per_turn": round(med * 1e6, 1),
-                      "machine": platform.processor() or platform.machine(), "device": "cpu"}))
+        print(
+            f"{args.episodes:>10} {calls:>7} {dt:>10.3f} {calls / dt:>10.0f} "
+            f"{dt / calls * 1e6:>9.1f}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "rollout_overhead",
+                "episodes": args.episodes,
+                "turns_per_s": round(1 / med),
+                "overhead_us_per_turn": round(med * 1e6, 1),
+                "machine": platform.processor() or platform.machine(),
+                "device": "cpu",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,3 +4,6 @@ from agentrl.env import register
 
 register("arith-v0", "agentrl.envs.arith:ArithEnv")
 register("guess-v0", "agentrl.envs.guess:GuessEnv")
+register("math-v0", "agentrl.envs.math:MathEnv")
+register("math-tool-v0", "agentrl.envs.math:MathToolEnv")
+register("code-v0", "agentrl.envs.code:CodeEnv")

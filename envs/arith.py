@@ -42,8 +42,11 @@ class ArithEnv(Env):
             raise EnvError("step() before reset()")
         found = _INT.findall(action)
         ok = bool(found) and found[-1] == self.task.answer
-        return StepResult(reward=float(ok), terminated=True,
-                          info={"format_error": not found, "extracted": found[-1] if found else None})
+        return StepResult(
+            reward=float(ok),
+            terminated=True,
+            info={"format_error": not found, "extracted": found[-1] if found else None},
+        )
 
     @classmethod
     def sample_tasks(

@@ -43,17 +43,23 @@ class GuessEnv(SyncEnv):
         if guess == self.secret:
             return StepResult(reward=1.0, terminated=True, info={"distance": 0})
         hint = "higher" if guess < self.secret else "lower"
-        return StepResult([Message(role="user", content=hint)],
-                          info={"distance": abs(guess - self.secret)})
+        return StepResult(
+            [Message(role="user", content=hint)], info={"distance": abs(guess - self.secret)}
+        )
 
     @classmethod
-    def sample_tasks(cls, n: int, *, seed: int = 0, split: str = "train", high: int = 100
-                     ) -> list[Task]:
+    def sample_tasks(
+        cls, n: int, *, seed: int = 0, split: str = "train", high: int = 100
+    ) -> list[Task]:
         """``n`` games with secrets drawn from ``[1, high]``."""
         rng = random.Random(f"{seed}/{split}")
         prompt = f"I picked a number between 1 and {high}. Guess it."
         return [
-            Task(id=f"{split}-{i}", prompt=prompt, answer=str(rng.randint(1, high)),
-                 data={"high": high})
+            Task(
+                id=f"{split}-{i}",
+                prompt=prompt,
+                answer=str(rng.randint(1, high)),
+                data={"high": high},
+            )
             for i in range(n)
         ]

@@ -13,25 +13,33 @@ from agentrl.types import Message
 
 
 def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained here on arithmetic chat text, so digits merge ("46" is one token)."""
+    """A byte-level BPE trained here on arithmetic chat text, so "46" is one token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [f"user\n{a}+{b}=\nassistant\n{a + b} tool\nok" for a in range(10, 60) for b in range(30)]
+    corpus = [
+        f"user\n{a}+{b}=\nassistant\n{a + b} tool\nok" for a in range(10, 60) for b in range(30)
+    ]
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL_TOKENS,
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
 def full_ids(tok, messages, template=CHAT_TEMPLATE) -> list[int]:
-    text = tok.apply_chat_template([m.model_dump() for m in messages], chat_template=template,
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [m.model_dump() for m in messages],
+        chat_template=template,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -94,11 +102,12 @@ def test_thinking_template_rewrites_past_turns_append_only_does_not() -> None:
     ids += sampled
     obs = [Message(role="user", content="sure?")]
     ids += chat.observation_ids(obs, last_token_text="<|im_end|>")
-    full = full_ids(tok, user + [Message(role="assistant", content=answer)] + obs,
-                    THINKING_CHAT_TEMPLATE)
+    full = full_ids(
+        tok, user + [Message(role="assistant", content=answer)] + obs, THINKING_CHAT_TEMPLATE
+    )
     assert "two and two" not in tok.decode(full)  # the template stripped the earlier thinking
     assert "two and two" in tok.decode(ids)  # the trajectory keeps what was sampled
-    assert ids[: len(chat.prompt_ids(user)) + len(sampled)][-len(sampled):] == sampled
+    assert ids[: len(chat.prompt_ids(user)) + len(sampled)][-len(sampled) :] == sampled
 
 
 def test_template_without_extension_is_rejected() -> None:

@@ -62,8 +62,12 @@ def test_register_a_class_directly() -> None:
     register("echo-test-v0", Echo)
     try:
         check_env("echo-test-v0", [Task(id="a", prompt="say hi")])
-        assert gymnasium.make("agentrl/echo-test-v0").reset(
-            options={"task": Task(id="a", prompt="p")})[0] == "user: p"
+        assert (
+            gymnasium.make("agentrl/echo-test-v0").reset(
+                options={"task": Task(id="a", prompt="p")}
+            )[0]
+            == "user: p"
+        )
     finally:
         envmod._REGISTRY.pop("echo-test-v0")
 
@@ -83,8 +87,10 @@ def test_parse_tool_calls() -> None:
 
 
 class Adder(ToolEnv):
-    tools = [Tool("add", "add two ints", lambda a, b: a + b),
-             Tool("boom", "always fails", lambda: 1 / 0)]
+    tools = [
+        Tool("add", "add two ints", lambda a, b: a + b),
+        Tool("boom", "always fails", lambda: 1 / 0),
+    ]
 
     def prompt(self, task):
         return [Message(role="user", content=task.prompt)]

@@ -80,8 +80,11 @@ async def test_groups_multi_turn_token_in_token_out(engine) -> None:
             check_layout(t)
             spans = [s for s in t.turns if s.kind == "assistant"]
             # every request saw exactly the trajectory's prefix, and produced exactly its tokens
-            mine = sorted((rid, v) for rid, v in by_rid.items()
-                          if rid.startswith(f"{t.task_id}#{t.group_index}@"))
+            mine = sorted(
+                (rid, v)
+                for rid, v in by_rid.items()
+                if rid.startswith(f"{t.task_id}#{t.group_index}@")
+            )
             assert len(mine) == len(spans)
             for (_, (inp, out)), span in zip(mine, spans, strict=True):
                 assert inp == t.tokens[: span.start]
@@ -92,7 +95,9 @@ async def test_seeded_runs_repeat(engine) -> None:
     ro = RolloutEngine(engine, engine.tokenizer, config())
     a = await ro.run_groups(lambda: make("guess-v0"), guess_tasks())
     b = await ro.run_groups(lambda: make("guess-v0"), guess_tasks())
-    assert [t.tokens for g in a for t in g.trajectories] == [t.tokens for g in b for t in g.trajectories]
+    assert [t.tokens for g in a for t in g.trajectories] == [
+        t.tokens for g in b for t in g.trajectories
+    ]
 
 
 class Flaky(Env):
@@ -182,7 +187,9 @@ async def test_jsonl_sink_writes_as_episodes_finish(engine, tmp_path: Path) -> N
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert len(lines) == 6
     back = [Trajectory.model_validate(json.loads(ln)["trajectory"]) for ln in lines]
-    assert sorted(t.tokens for t in back) == sorted(t.tokens for g in groups for t in g.trajectories)
+    assert sorted(t.tokens for t in back) == sorted(
+        t.tokens for g in groups for t in g.trajectories
+    )
 
 
 def test_config_errors_name_the_field() -> None:
@@ -199,8 +206,9 @@ def test_readme_example_runs(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("reward=")]
     assert len(lines) == 4
