@@ -18,9 +18,9 @@ import json
 import re
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import gymnasium
 from gymnasium import spaces
@@ -43,7 +43,7 @@ class StepResult:
 class Env(ABC):
     """Base class of every environment (async, text in, messages out)."""
 
-    tools: ClassVar[list[Tool]] = []
+    tools: Sequence[Tool] = ()
     """Tools the agent may call; :class:`ToolEnv` dispatches them."""
 
     @abstractmethod
@@ -163,7 +163,7 @@ def render_tool_response(content: str) -> Message:
     return Message(role="tool", content=f"<tool_response>\n{content}\n</tool_response>")
 
 
-def describe_tools(tools: list[Tool]) -> str:
+def describe_tools(tools: Sequence[Tool]) -> str:
     """A system-prompt paragraph that lists ``tools`` and the call format."""
     lines = [
         "You may call tools. Write exactly:",
@@ -297,7 +297,7 @@ def registered() -> list[str]:
 
 # ----------------------------------------------------------------------------- gymnasium
 
-_TEXT = spaces.Text(max_length=1 << 16, charset=string.printable)
+_TEXT = spaces.Text(max_length=1 << 16, min_length=0, charset=string.printable)
 
 
 def _render(messages: list[Message]) -> str:

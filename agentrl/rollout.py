@@ -107,6 +107,7 @@ class _Episode:
     truncated: bool = False
     finish_reason: str = ""
     error: str | None = None
+    interruptions: int = 0
     timing: Timing = field(default_factory=Timing)
 
     def append_observation(self, ids: list[int]) -> None:
@@ -155,6 +156,9 @@ class RolloutEngine:
         self.chat = chat or ChatTokenizer(tokenizer)
         self._sem = asyncio.Semaphore(self.config.concurrency)
         self._token_text: dict[int, str] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._epoch = 0
 
     def _text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -221,6 +225,7 @@ class RolloutEngine:
             finish_reason=ep.finish_reason,
             error=ep.error,
             timing=ep.timing,
+            info={"interruptions": ep.interruptions},
         )
 
     async def _loop(
@@ -251,11 +256,9 @@ class RolloutEngine:
                 max_new_tokens=min(cfg.max_new_tokens, budget),
                 seed=None if seed is None else (seed * 1009 + turn) % (2**31),
             )
-            rid[0] = f"{episode_id}/t{turn}"
             t = time.perf_counter()
-            out = await self.client.generate(ep.tokens, params, rid=rid[0], session_id=episode_id)
+            out = await self._generate_turn(ep, params, f"{episode_id}/t{turn}", episode_id, rid)
             ep.timing.generate_s += time.perf_counter() - t
-            rid[0] = None
             span = ep.append_output(out)
             action, stop_text = self._decode_action(out)
             ep.messages.append(Message(role="assistant", content=action))
@@ -279,6 +282,75 @@ class RolloutEngine:
                 return
             ep.append_observation(obs)
         ep.truncated, ep.finish_reason = True, "max_turns"
+
+    async def _generate_turn(
+        self,
+        ep: _Episode,
+        params: SamplingParams,
+        turn_id: str,
+        session_id: str,
+        rid: list[str | None],
+    ) -> GenerateOutput:
+        """One assistant turn, surviving weight updates (partial rollouts).
+
+        A request cut off by :meth:`interrupt` keeps the tokens it sampled, with their log-probs
+        and versions; after :meth:`release` it is re-sent as prompt + partial output under a
+        new rid, for the tokens left in its budget, so the turn spans several weight versions.
+        """
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        attempt = 0
+        while True:
+            await self._gate.wait()  # no request starts while weights are being swapped
+            epoch = self._epoch
+            rid[0] = turn_id if attempt == 0 else f"{turn_id}.r{attempt}"
+            left = params.max_new_tokens - len(ids)
+            seed = None if params.seed is None else (params.seed + attempt) % (2**31)
+            out = await self.client.generate(
+                ep.tokens + ids,
+                replace(params, max_new_tokens=left, seed=seed),
+                rid=rid[0],
+                session_id=session_id,
+            )
+            rid[0] = None
+            ids += out.output_ids
+            logprobs += out.logprobs
+            versions += out.versions
+            finish = out.finish_reason
+            interrupted = finish == "abort" and (self._epoch != epoch or not self._gate.is_set())
+            if not interrupted:
+                break
+            ep.interruptions += 1
+            if len(ids) >= params.max_new_tokens:
+                finish = "length"
+                break
+            attempt += 1
+        return GenerateOutput(
+            rid=turn_id,
+            output_ids=ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=finish,
+            weight_version=out.weight_version,
+            prompt_tokens=len(ep.tokens),
+            matched_stop=out.matched_stop,
+            endpoint=out.endpoint,
+        )
+
+    async def interrupt(self) -> None:
+        """Cut off in-flight generation for a weight update (partial rollouts).
+
+        New requests wait; running ones are aborted and return what they sampled so far, which
+        the episodes keep. Call :meth:`release` once the engine serves the new weights.
+        """
+        self._epoch += 1
+        self._gate.clear()
+        await self.client.abort(None)
+
+    def release(self) -> None:
+        """Let generation continue (on the new weights) after :meth:`interrupt`."""
+        self._gate.set()
 
     async def _abort_quietly(self, rid: str) -> None:
         try:

@@ -239,7 +239,7 @@ class MathToolEnv(ToolEnv):
                 "properties": {"expression": {"type": "string", "description": "e.g. (3+4)**2/7"}},
             },
         )
-        self.tools = [calculator]  # type: ignore[misc]  # per instance (limits); Env has a ClassVar
+        self.tools = [calculator]  # per instance: the calculator carries its limits
 
     async def _calculate(self, **arguments: Any) -> str:
         expression = arguments.get("expression")
