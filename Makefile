@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m agentrl.cli demo
+	$(PY) recipes/math_agent.py --preset cpu-tiny
 
 test: $(STAMP)
 	$(PY) -m ruff check agentrl envs verifiers recipes tests benchmarks

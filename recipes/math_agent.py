@@ -1,0 +1,83 @@
+"""Math agent: GSPO-token on arithmetic / competition-style questions, rewarded by math-verify.
+
+    python recipes/math_agent.py --preset cpu-tiny            # CPU, tiny model, minutes
+    python recipes/math_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
+    python recipes/math_agent.py --preset cpu-tiny train.steps=10 learner.lr=3e-5
+
+Reads top to bottom: the config (a preset plus overrides), the environment and its verifier,
+then the trainer. ``cpu-tiny`` is what the README's ``make demo`` runs: a Qwen3-architecture
+model of 0.6M parameters built from a config (no download) learns two-digit addition, first by
+a short supervised cold start on scripted answers, then by RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from typing import Any
+
+from agentrl.config import load_config
+from agentrl.jobs import run_training
+from agentrl.verifiers.math import start_pool
+
+# -------------------------------------------------------------------------------- config
+PRESETS: dict[str, dict[str, Any]] = {
+    # 2 CPU cores, ~5 minutes. The learning rate decides everything at this size: 3e-5..1e-4
+    # learns, 3e-4 collapses. The cold start stops at ~30% held-out success so RL has room.
+    "cpu-tiny": {
+        "name": "math-cpu-tiny",
+        "env": {
+            "id": "math-v0",
+            "kwargs": {"prompt_template": "{question}=", "extract": "last_number"},
+            "task_kwargs": {"source": "addition"},
+            "num_train_tasks": 4096,
+            "num_eval_tasks": 200,
+        },
+        "rollout": {"group_size": 8, "max_turns": 1, "max_new_tokens": 6,
+                    "max_total_tokens": 64, "temperature": 1.0},
+        "cold_start": {"steps": 600, "lr": 1e-3, "batch_size": 64, "target_success": 0.3,
+                       "check_every": 25},
+        "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token"},
+        "train": {"steps": 80, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 540},
+    },
+    # A GPU host: Qwen3-1.7B served by SGLang (--endpoint) or loaded locally with transformers.
+    "qwen3-1.7b": {
+        "name": "math-qwen3-1.7b",
+        "model": {"path": "Qwen/Qwen3-1.7B", "dtype": "bfloat16"},
+        "env": {"id": "math-v0", "task_kwargs": {"source": "gsm_symbolic"},
+                "num_train_tasks": 20000, "num_eval_tasks": 500},
+        "rollout": {"group_size": 8, "max_turns": 1, "max_new_tokens": 2048,
+                    "max_total_tokens": 3072, "temperature": 1.0, "concurrency": 512},
+        "learner": {"lr": 1e-6, "num_minibatches": 4, "loss": "gspo_token",
+                    "dtype": "bfloat16", "micro_batch_tokens": 16384},
+        "train": {"steps": 300, "tasks_per_step": 64, "eval_every": 20,
+                  "checkpoint_every": 20},
+    },
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
+    ap.add_argument("--endpoint", action="append", default=[], help="SGLang URL (repeatable)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in run_dir=...")
+    args, overrides = ap.parse_known_args(argv)
+    tree = copy.deepcopy(PRESETS[args.preset])
+    if args.endpoint:
+        tree["inference"] = {"endpoints": args.endpoint}
+    config = load_config(tree, overrides)
+
+    # ---------------------------------------------------------------- env and verifier
+    # math-v0 scores the final answer with agentrl.verifiers.math (math-verify, in worker
+    # processes with a time limit); start the pool now so the first batch does not wait.
+    if config.env.kwargs.get("extract") != "last_number":
+        start_pool()
+
+    # ---------------------------------------------------------------- trainer
+    run_training(config, resume=args.resume)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    main()

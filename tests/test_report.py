@@ -1,0 +1,351 @@
+"""``agentrl report``: plots and the HTML trajectory browser, built from a real short CPU run.
+
+The module fixture trains the tiny model on guess-v0 (a number in 1..4 over up to three turns: a
+supervised cold start, then a few GSPO steps), so the run directory is what ``agentrl train``
+writes, with multi-turn episodes. The browser test opens
+the page in headless Chromium (Debian's ``chromium`` + the ``playwright`` package, no
+``playwright install``) and is skipped, saying why, where either is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agentrl.config import load_config
+from agentrl.plots import FIGURE_PX, plot_all
+from agentrl.report import add_report_command, build_report, scan_groups, select_groups
+from agentrl.report_page import render_page, turn_segments
+from agentrl.tiny import build_tiny_tokenizer
+from agentrl.trainer import Trainer
+from agentrl.types import Message, Trajectory, TurnSpan
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+FIGURES = ["reward", "clipping", "mismatch", "lengths", "speed"]
+
+
+STEPS = 3
+CONFIG: dict[str, Any] = {  # guess-v0: multi-turn, so episodes have assistant and env turns
+    "name": "report-test",
+    "seed": 0,
+    "env": {
+        "id": "guess-v0",
+        "num_train_tasks": 64,
+        "num_eval_tasks": 8,
+        "task_kwargs": {"high": 4},
+    },
+    "rollout": {"group_size": 8, "max_turns": 3, "max_new_tokens": 4, "max_total_tokens": 160},
+    "cold_start": {"steps": 40, "lr": 2e-3, "batch_size": 32},
+    "learner": {"lr": 5e-5, "num_minibatches": 2},
+    "train": {"steps": STEPS, "tasks_per_step": 4, "eval_every": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "guess"
+    cfg = load_config({**CONFIG, "run_dir": str(out)})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU is shared: more threads only contend
+    try:
+        asyncio.run(Trainer(cfg).run())
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(run_dir: Path) -> Path:
+    return build_report(run_dir)
+
+
+def page_data(html: str) -> dict[str, Any]:
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', html, re.S)
+    assert m is not None
+    return json.loads(m.group(1))
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_plots_are_pngs_of_the_right_size_and_inline(run_dir: Path, report: Path) -> None:
+    html = report.read_text()
+    for name in FIGURES:
+        png = run_dir / f"{name}.png"
+        assert png_size(png) == FIGURE_PX, name
+        assert png.stat().st_size > 10_000, name  # drawn curves, not an empty canvas
+        assert base64.b64encode(png.read_bytes()).decode() in html, name
+    assert not (run_dir / "staleness.png").exists()  # no partial rollouts in this run
+    assert "http://" not in html and "https://" not in html
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_embedded_data_is_what_the_update_saw(run_dir: Path, report: Path) -> None:
+    data = page_data(report.read_text())
+    records = jsonl(run_dir / "trajectories.jsonl")
+    assert len(records) >= 16, "the run should train on at least two groups"
+    n = data["sampling"]
+    assert n["total_trajectories"] == n["shown_trajectories"] == len(records)
+    assert n["total_steps"] == len({r["step"] for r in records}) and n["unreadable_lines"] == 0
+    episodes = [(g, e) for g in data["groups"] for e in g["episodes"]]
+    assert len(episodes) == len(records)
+    by_key: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for r in records:  # generated tasks can repeat, so a key can hold several records
+        by_key.setdefault(
+            (r["step"], r["trajectory"]["task_id"], r["trajectory"]["group_index"]), []
+        ).append(r)
+    tok = build_tiny_tokenizer()
+    with_trainer = 0
+    for g, e in episodes:
+        same = by_key[(g["step"], g["task_id"], e["gi"])]
+        rec = same.pop(next(i for i, r in enumerate(same) if r["trajectory"]["tokens"] == e["ids"]))
+        t = rec["trajectory"]
+        assert e["mask"] == t["loss_mask"] and e["ver"] == t["versions"]
+        assert e["a"] == pytest.approx(rec["advantages"], abs=1e-4)
+        assert e["reward"] == t["reward"] and e["finish"] == t["finish_reason"]
+        resp = [i for i, m in enumerate(t["loss_mask"]) if m]
+        assert e["adv"] == pytest.approx(
+            sum(rec["advantages"][i] for i in resp) / len(resp), abs=1e-4
+        )
+        if rec["trainer_logprobs"] is None:  # the learner records its first mini-batch only
+            assert e["mm"] is None
+        else:
+            with_trainer += 1
+            want = [
+                rec["trainer_logprobs"][i] - t["logprobs"][i] if m else 0.0
+                for i, m in enumerate(t["loss_mask"])
+            ]
+            assert e["mm"] == pytest.approx(want, rel=1e-2, abs=1e-12)
+        assert [(s["start"], s["end"]) for s in e["segs"]] == [(0, t["prompt_len"])] + [
+            (s["start"], s["end"]) for s in t["turns"]
+        ]
+        assert e["segs"][-1]["end"] == len(t["tokens"])
+        assert "".join(data["vocab"][str(i)] for i in t["tokens"]) == tok.decode(t["tokens"])
+    assert with_trainer > 0
+    # groups keep their episodes together, and a group's advantages are centred (GSPO)
+    for g in data["groups"]:
+        assert sorted(e["gi"] for e in g["episodes"]) == [e["gi"] for e in g["episodes"]]
+        assert sum(e["adv"] for e in g["episodes"]) == pytest.approx(0.0, abs=1e-3)
+    assert data["run"]["in_progress"] is False and data["run"]["summary"]["steps"] == STEPS
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_selection_keeps_groups_whole_newest_steps_first(run_dir: Path) -> None:
+    groups, bad = scan_groups(run_dir / "trajectories.jsonl")
+    assert bad == 0 and sum(len(g) for g in groups) == len(jsonl(run_dir / "trajectories.jsonl"))
+    steps = sorted({g[0].step for g in groups}, reverse=True)
+    first_of_step = [next(g for g in groups if g[0].step == s) for s in steps]
+    budget = sum(len(g) for g in first_of_step[:2])
+    chosen = select_groups(groups, max_trajectories=budget, max_bytes=2**40)
+    assert chosen == first_of_step[:2]  # round 1: the first group of the two newest steps
+    everything = select_groups(groups, max_trajectories=10**6, max_bytes=2**40)
+    assert sorted(map(id, everything)) == sorted(map(id, groups))
+    one_step = select_groups(groups, max_trajectories=10**6, max_bytes=2**40, steps=[steps[-1]])
+    assert one_step == [g for g in groups if g[0].step == steps[-1]]
+    tiny = select_groups(groups, max_trajectories=1, max_bytes=1)
+    assert tiny == [first_of_step[0]]  # never split a group, never show nothing
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_in_progress_run_with_half_written_lines(run_dir: Path, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live, ignore=shutil.ignore_patterns("*.png", "report.html"))
+    (live / "summary.json").unlink()
+    lines = (live / "trajectories.jsonl").read_text().splitlines(keepends=True)
+    old, new = f'{{"step": {STEPS},', f'{{"step": {STEPS + 1},'
+    with (live / "trajectories.jsonl").open("a") as f:
+        # the trainer is writing the next step's trajectories (3 lines out, the 4th half
+        # written) and has not logged that step's metrics yet, only half of the line
+        f.writelines(ln.replace(old, new, 1) for ln in lines[-3:])
+        f.write(lines[-4][:50].replace(old, new, 1))
+    with (live / "metrics.jsonl").open("a") as f:
+        f.write(new + ' "rollout/rew')
+    data = page_data(build_report(live, max_trajectories=9).read_text())
+    assert data["run"]["in_progress"] is True and data["run"]["last_step"] == STEPS
+    assert data["sampling"]["total_trajectories"] == len(lines)
+    assert data["sampling"]["pending_trajectories"] == 3
+    assert data["sampling"]["shown_groups"] == 1 and data["sampling"]["unreadable_lines"] == 0
+    assert data["groups"][0]["step"] == STEPS
+    assert png_size(live / "reward.png") == FIGURE_PX
+
+
+def test_page_data_cannot_close_its_script_element() -> None:
+    hostile = "</script><script>alert(1)</script><!--"
+    data = {"run": {"name": hostile}, "groups": [{"task_id": hostile}]}
+    page = render_page(data, [])
+    assert page.count("</script>") == 2  # the data element's and the code's own
+    assert page_data(page) == data
+    assert "<title>agentrl report: &lt;/script&gt;" in page
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_staleness_plotted_when_present(run_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(run_dir / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        for step in (5, 6):
+            f.write(
+                json.dumps(
+                    {"step": step, "staleness/mean": 0.5 * step, "staleness/max": float(step)}
+                )
+                + "\n"
+            )
+    written = [p.name for p in plot_all(tmp_path)]
+    assert written == [f"{n}.png" for n in FIGURES] + ["staleness.png"]
+    assert png_size(tmp_path / "staleness.png") == FIGURE_PX
+
+
+def test_turn_segments_label_tool_and_env_turns() -> None:
+    # prompt (system+user) | assistant | tool result | assistant | env feedback | assistant
+    spans = [
+        (3, 5, "assistant"),
+        (5, 7, "observation"),
+        (7, 9, "assistant"),
+        (9, 10, "observation"),
+        (10, 12, "assistant"),
+    ]
+    traj = Trajectory(
+        task_id="t",
+        env_id="e",
+        prompt_len=3,
+        tokens=list(range(12)),
+        loss_mask=[0] * 3 + [int(k == "assistant") for s, e, k in spans for _ in range(s, e)],
+        logprobs=[0.0] * 12,
+        versions=[-1] * 12,
+        turns=[
+            TurnSpan(kind=k, start=s, end=e, reward=0.5 if k == "assistant" else None)
+            for s, e, k in spans
+        ],
+        messages=[
+            Message(role="system", content="s"),
+            Message(role="user", content="u"),
+            Message(role="assistant", content="a"),
+            Message(role="tool", content="r"),
+            Message(role="assistant", content="b"),
+            Message(role="user", content="hint"),
+            Message(role="assistant", content="c"),
+            Message(role="user", content="done"),
+        ],
+    )
+    segs = turn_segments(traj)
+    assert [s["label"] for s in segs] == [
+        "prompt (system, user)",
+        "assistant (turn 1)",
+        "tool",
+        "assistant (turn 2)",
+        "env",
+        "assistant (turn 3)",
+    ]
+    assert [(s["start"], s["end"]) for s in segs] == [(0, 3)] + [(s, e) for s, e, _ in spans]
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_cli_command(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="agentrl")
+    add_report_command(parser.add_subparsers())
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("*.png", "report.html"))
+    args = parser.parse_args(["report", str(copy), "--max-trajectories", "8", "--steps", "1,2"])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == str(copy / "report.html")
+    data = page_data((copy / "report.html").read_text())
+    assert {g["step"] for g in data["groups"]} <= {1, 2} and data["sampling"]["shown_groups"] == 1
+    missing = parser.parse_args(["report", str(tmp_path / "nope")])
+    assert missing.func(missing) == 1
+
+
+def _backgrounds(page: Any, selector: str) -> list[str]:
+    return page.eval_on_selector_all(
+        selector, "els => els.map(e => getComputedStyle(e).backgroundColor)"
+    )
+
+
+@pytest.mark.slow  # uses the module's training run
+def test_browser_shows_turns_and_shading_offline(report: Path, tmp_path: Path) -> None:
+    if not CHROMIUM.exists():
+        pytest.skip("needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs `pip install playwright`")
+    data = page_data(report.read_text())
+
+    def turns(e: dict[str, Any]) -> int:
+        return sum(s["kind"] == "assistant" for s in e["segs"])
+
+    # a group of the oldest step with a multi-turn episode (assistant, env, assistant, ...)
+    oldest = min(g["step"] for g in data["groups"])
+    gi = next(
+        i
+        for i, g in enumerate(data["groups"])
+        if g["step"] == oldest and any(turns(e) > 1 for e in g["episodes"])
+    )
+    group = data["groups"][gi]
+    pos = next(k for k, e in enumerate(group["episodes"]) if e["adv"] > 0)
+    neg = max(
+        (k for k, e in enumerate(group["episodes"]) if e["adv"] < 0),
+        key=lambda k: turns(group["episodes"][k]),
+    )
+    assert turns(group["episodes"][neg]) > 1
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        requests: list[str] = []
+        errors: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(report.as_uri())
+        page.select_option("#step-select", str(group["step"]))
+        page.select_option("#group-select", str(gi))
+        rows = page.locator("#group-table tbody tr")
+        assert rows.count() == len(group["episodes"])
+        shades = {}
+        for k in (pos, neg):
+            rows.nth(k).click()
+            ep = group["episodes"][k]
+            assert page.locator("#turns .turn").count() == len(ep["segs"])
+            labels = page.locator("#turns .turn-head").all_inner_texts()
+            heads = [h.split(" · ")[0] for h in labels]
+            assert heads == [s["label"] for s in ep["segs"]]
+            assert heads[:2] == ["prompt (user)", "assistant (turn 1)"]
+            assert page.locator("#turns .tok").count() == ep["ntok"]
+            assert page.locator("#turns .tok.masked").count() == ep["ntok"] - ep["nresp"]
+            assert page.locator("#side").inner_text().count(f"{ep['reward']:.4f}") >= 1
+            shades[k] = set(_backgrounds(page, "#turns .tok:not(.masked)"))
+            masked = set(_backgrounds(page, "#turns .tok.masked"))
+            assert len(shades[k]) == 1 and not shades[k] & masked  # one advantage per episode
+        page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        assert shades[pos] != shades[neg]
+        assert "env" in heads and "assistant (turn 2)" in heads  # the multi-turn episode
+        page.select_option("#shade-select", "lp")  # behaviour log-prob varies token by token
+        ep = group["episodes"][neg]
+        n_lp = len({round(ep["lp"][t], 2) for t in range(ep["ntok"]) if ep["mask"][t]})
+        assert len(set(_backgrounds(page, "#turns .tok:not(.masked)"))) >= min(n_lp, 2)
+        browser.close()
+    assert errors == []
+    assert requests == [report.as_uri()], requests
+    assert png_size(tmp_path / "report.png")[0] == 1400
