@@ -22,7 +22,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) recipes/math_agent.py --preset cpu-tiny
 
-test: $(STAMP)
+# SGLang's own JSON contract (one file of its wheel) for the conformance tests; fetched once.
+$(VENV)/sglang_api_types.py: $(STAMP)
+	-$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+		--platform manylinux_2_34_x86_64 sglang==0.5.23 -d $(VENV)/sglang-wheel && \
+	$(PY) -c "import glob, zipfile; w = glob.glob('$(VENV)/sglang-wheel/sglang-0.5.23-*.whl')[0]; \
+		open('$@', 'wb').write(zipfile.ZipFile(w).read('sglang/api/v1/api_types.py'))"
+	rm -rf $(VENV)/sglang-wheel
+
+test: $(STAMP) $(VENV)/sglang_api_types.py
 	$(PY) -m ruff check agentrl envs verifiers recipes tests benchmarks
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider

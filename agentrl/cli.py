@@ -1,0 +1,101 @@
+"""The ``agentrl`` command: one subcommand per job.
+
+Each subcommand is a pair of functions, ``_add_<name>(subparsers)`` to declare its arguments
+and ``_cmd_<name>(args) -> int`` to run it; heavy imports (torch, transformers) happen inside
+``_cmd_<name>`` so that ``agentrl --help`` stays instant. ``main(argv)`` returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from agentrl import __version__
+from agentrl.jobs import add_rollout, add_train
+from agentrl.report import add_report_command
+
+
+def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the embedded engine behind SGLang's native HTTP API",
+        description=(
+            "Serve a model with agentrl's embedded engine behind the subset of SGLang's native "
+            "HTTP API that agentrl's client uses (/generate, /abort_request, /pause_generation, "
+            "/update_weights_from_disk, /model_info, ...). '--model tiny' needs no download."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="HF model directory, or the preset 'tiny'")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    parser.add_argument(
+        "--weight-version", default="default", help="label of the initial weights (SGLang's)"
+    )
+    parser.add_argument("--served-model-name", default=None, help="model id in /v1/models")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import torch
+
+    from agentrl.inference.server import run_server
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+
+    def announce(url: str) -> None:
+        # One stable line on stdout: scripts and test fixtures wait for it (port 0 included).
+        print(f"agentrl serve: listening on {url}", flush=True)
+
+    run_server(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        weight_version=args.weight_version,
+        served_model_name=args.served_model_name,
+        on_ready=announce,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``agentrl`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="agentrl",
+        description="Train LLM agents with reinforcement learning over multi-turn interactions.",
+    )
+    parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_serve(subparsers)
+    add_train(subparsers)
+    add_rollout(subparsers)
+    add_report_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``agentrl`` command line; returns the process exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""``SGLangClient``: SGLang's native HTTP API from the rollout side.
+
+Design:
+
+- **Token-in, token-out.** ``/generate`` gets ``input_ids`` and ``return_logprob: true`` and the
+  output is read from ``output_ids`` and ``meta_info.output_token_logprobs``, never from text.
+  ``max_new_tokens`` is always sent (SGLang's default is 128).
+- **One aiohttp session per client** (opened lazily or in ``__aenter__``, closed in ``aclose``),
+  with an explicit ``ClientTimeout``.
+- **Several endpoints.** The turns of one ``session_id`` stick to one endpoint (its prefix cache
+  is reused); a new session goes to the healthy endpoint with the fewest requests in flight.
+  Connection errors, timeouts and 5xx are retried with exponential backoff (``max_retries``
+  per endpoint); then the endpoint leaves the rotation until a health check (lazy, at most every
+  ``health_interval_s``) passes again, and the request moves, whole and with a new ``rid``, to
+  another healthy endpoint. A 4xx or a malformed response is a :class:`ServerError` at once.
+- **Weight versions are ints in agentrl; SGLang's are string labels.** See
+  :func:`agentrl.inference.sglang_api.parse_weight_version` for the mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from agentrl.errors import ServerError
+from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.sglang_api import error_text, parse_generate_response, warn_if_truncating
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    in_flight: int = 0
+    healthy: bool = True
+    last_check: float = 0.0
+    checking: bool = False
+
+
+@dataclass
+class _Active:
+    """A generate call in progress: where it runs now, under which server-side rid."""
+
+    server_rid: str
+    endpoint: _Endpoint | None = None
+    aborted: bool = False
+
+
+class _Retryable(Exception):
+    """A connection error, timeout or 5xx: worth another try."""
+
+
+class _EndpointPool:
+    """The endpoints, their rotation flags and sticky sessions; placement by fewest in flight."""
+
+    def __init__(self, urls: list[str], max_sessions: int) -> None:
+        self.endpoints = [_Endpoint(url.rstrip("/")) for url in urls]
+        self._sessions: OrderedDict[str, _Endpoint] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._rr = 0
+
+    def healthy(self, exclude: set[str]) -> list[_Endpoint]:
+        return [ep for ep in self.endpoints if ep.healthy and ep.url not in exclude]
+
+    def down(self, exclude: set[str]) -> list[_Endpoint]:
+        return [ep for ep in self.endpoints if not ep.healthy and ep.url not in exclude]
+
+    def mark_down(self, ep: _Endpoint, why: str) -> None:
+        if ep.healthy:
+            logger.warning("endpoint %s out of rotation: %s", ep.url, why)
+        ep.healthy = False
+        ep.last_check = time.monotonic()
+
+    def due_for_probe(self, interval_s: float) -> list[_Endpoint]:
+        now = time.monotonic()
+        return [
+            ep
+            for ep in self.endpoints
+            if not ep.healthy and not ep.checking and now - ep.last_check >= interval_s
+        ]
+
+    def choose(self, session_id: str | None, exclude: set[str]) -> _Endpoint | None:
+        """The session's endpoint if it is usable, else the least-loaded healthy one."""
+        sticky = self._sessions.get(session_id) if session_id is not None else None
+        if session_id is not None and sticky is not None:
+            if sticky.healthy and sticky.url not in exclude:
+                self._sessions.move_to_end(session_id)
+                return sticky
+        candidates = self.healthy(exclude)
+        if not candidates:
+            return None
+        start = self._rr % len(candidates)  # ties go round-robin
+        self._rr += 1
+        best = min(candidates[start:] + candidates[:start], key=lambda ep: ep.in_flight)
+        if session_id is not None:
+            self._sessions[session_id] = best
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        return best
+
+
+class SGLangClient:
+    """An :class:`~agentrl.inference.base.InferenceClient` for one or more SGLang servers.
+
+    Args:
+        endpoints: base URLs (``http://host:port``) of SGLang servers or ``agentrl serve``.
+        timeout_s: total time one HTTP call may take (a whole generation).
+        connect_timeout_s: time to open a connection.
+        max_retries: retries per endpoint after a connection error, timeout or 5xx.
+        backoff_s: first retry delay; it doubles per retry (with jitter), capped at 5 s.
+        health_interval_s: least time between health probes of an endpoint out of rotation.
+        health_timeout_s: time a health probe may take.
+        max_connections: connection pool size (0: unlimited).
+        max_sessions: sticky session ids remembered (least recently used are forgotten).
+    """
+
+    def __init__(
+        self,
+        endpoints: list[str] | str,
+        *,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.25,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 5.0,
+        max_connections: int = 1024,
+        max_sessions: int = 100_000,
+    ) -> None:
+        urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not urls:
+            raise ValueError("endpoints: expected at least one URL, got none")
+        if max_retries < 0:
+            raise ValueError(f"max_retries: expected >= 0, got {max_retries}")
+        self._pool = _EndpointPool(urls, max_sessions)
+        self._endpoints = self._pool.endpoints
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.health_interval_s = health_interval_s
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._active: dict[str, _Active] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._last_update: tuple[str, str] | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every endpoint URL, in rotation or not."""
+        return [ep.url for ep in self._endpoints]
+
+    @property
+    def healthy_endpoints(self) -> list[str]:
+        """The endpoints in rotation now."""
+        return [ep.url for ep in self._endpoints if ep.healthy]
+
+    async def __aenter__(self) -> SGLangClient:
+        self._http()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._max_connections)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
+
+    async def aclose(self) -> None:
+        """Stop health probes and close the HTTP session (idempotent)."""
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- transport ----------------------------------------------------------------------------
+
+    async def _request(
+        self,
+        ep: _Endpoint,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> bytes:
+        """One HTTP call: the body on 2xx, :class:`_Retryable` or :class:`ServerError` otherwise."""
+        try:
+            async with self._http().request(
+                method, ep.url + path, json=payload, timeout=timeout or self._timeout
+            ) as resp:
+                status, body = resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        if status >= 500:
+            raise _Retryable(f"HTTP {status}: {error_text(body)}")
+        if status >= 400:
+            raise ServerError(
+                f"{path} rejected with HTTP {status}: {error_text(body)}",
+                endpoint=ep.url,
+                rid=rid,
+                status=status,
+            )
+        return body
+
+    async def _call(
+        self, ep: _Endpoint, method: str, path: str, payload: dict[str, Any] | None = None
+    ) -> bytes:
+        """``_request`` with retries and backoff; marks the endpoint down when they run out."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await self._request(ep, method, path, payload)
+            except _Retryable as exc:
+                if attempt == self.max_retries:
+                    self._pool.mark_down(ep, str(exc))
+                    raise ServerError(
+                        f"{path} failed after {attempt + 1} tries: {exc}", endpoint=ep.url
+                    ) from exc
+                await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
+    def _backoff(self, attempt: int) -> float:
+        return min(5.0, self.backoff_s * 2**attempt) * random.uniform(0.8, 1.2)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- endpoint health and placement ----------------------------------------------------------
+
+    async def _probe(self, ep: _Endpoint) -> bool:
+        """Health-check ``ep``; bring it back (synced to the last weights pushed) if it passes."""
+        ep.checking, ep.last_check = True, time.monotonic()
+        try:
+            await self._request(ep, "GET", "/health", timeout=self._health_timeout)
+            if self._last_update is not None:
+                path, label = self._last_update
+                info = json.loads(await self._request(ep, "GET", "/model_info"))
+                if str(info.get("weight_version")) != label:
+                    logger.info("endpoint %s is on old weights; pushing version %s", ep.url, label)
+                    await self._update_one(ep, path, label)
+        except (_Retryable, ServerError, ValueError) as exc:
+            logger.debug("endpoint %s still unhealthy: %s", ep.url, exc)
+            return False
+        finally:
+            ep.checking = False
+        if not ep.healthy:
+            logger.info("endpoint %s back in rotation", ep.url)
+        ep.healthy = True
+        return True
+
+    async def _pick(self, session_id: str | None, exclude: set[str]) -> _Endpoint | None:
+        """Place a request; probe endpoints out of rotation (lazily, or now if none is left)."""
+        for ep in self._pool.due_for_probe(self.health_interval_s):
+            self._spawn(self._probe(ep))
+        best = self._pool.choose(session_id, exclude)
+        if best is None:
+            down = [ep for ep in self._pool.down(exclude) if not ep.checking]
+            await asyncio.gather(*(self._probe(ep) for ep in down))
+            best = self._pool.choose(session_id, exclude)
+        return best
+
+    # ---- InferenceClient ----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateOutput:
+        """``/generate`` with ``input_ids``; returns new ids, log-probs, per-token versions.
+
+        Raises:
+            ServerError: a 4xx or malformed response (no retry), or no endpoint could serve the
+                request within the retry budget; the message names the endpoint(s) and rid.
+        """
+        rid = rid if rid is not None else uuid.uuid4().hex
+        if rid in self._active:
+            raise ServerError(f"Duplicate request ID detected: {rid}", endpoint="client", rid=rid)
+        warn_if_truncating(params)
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": params.to_sglang(),
+            "return_logprob": True,
+        }
+        active = self._active[rid] = _Active(server_rid=rid)
+        try:
+            return await self._generate(body, rid, session_id, active)
+        finally:
+            del self._active[rid]
+
+    async def _generate(
+        self, body: dict[str, Any], rid: str, session_id: str | None, active: _Active
+    ) -> GenerateOutput:
+        tried: set[str] = set()
+        errors: list[str] = []
+        attempt = 0
+        while True:
+            ep = await self._pick(session_id, tried)
+            if ep is None:
+                where = ", ".join(sorted(tried)) or ", ".join(self.endpoints)
+                raise ServerError(
+                    "generate failed: no healthy endpoint left"
+                    + (f" ({'; '.join(errors[-3:])})" if errors else ""),
+                    endpoint=where,
+                    rid=rid,
+                )
+            for retry in range(self.max_retries + 1):
+                if active.aborted:
+                    return _aborted_between_tries(rid)
+                # A re-sent request gets a new rid: the old one may still be open on the server.
+                active.server_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
+                attempt += 1
+                active.endpoint = ep
+                ep.in_flight += 1
+                try:
+                    raw = await self._request(
+                        ep,
+                        "POST",
+                        "/generate",
+                        {**body, "rid": active.server_rid},
+                        rid=active.server_rid,
+                    )
+                except _Retryable as exc:
+                    errors.append(f"{ep.url} rid={active.server_rid}: {exc}")
+                    self._spawn(self._abort_quietly(ep, active.server_rid))
+                    if retry < self.max_retries:
+                        await asyncio.sleep(self._backoff(retry))
+                    continue
+                finally:
+                    ep.in_flight -= 1
+                    active.endpoint = None
+                try:
+                    data = json.loads(raw)
+                except ValueError:
+                    raise ServerError(
+                        f"malformed /generate response: not JSON: {raw[:200]!r}",
+                        endpoint=ep.url,
+                        rid=active.server_rid,
+                        status=200,
+                    ) from None
+                return parse_generate_response(
+                    data, endpoint=ep.url, server_rid=active.server_rid, rid=rid
+                )
+            self._pool.mark_down(ep, errors[-1])
+            tried.add(ep.url)
+
+    async def _abort_quietly(self, ep: _Endpoint, server_rid: str) -> None:
+        """Best effort: a request that timed out may still run on the server."""
+        try:
+            await self._request(
+                ep, "POST", "/abort_request", {"rid": server_rid}, timeout=self._health_timeout
+            )
+        except (_Retryable, ServerError):
+            pass
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort ``rid`` (wherever it runs now), or every request on every endpoint.
+
+        The aborted ``generate`` returns its partial output with ``finish_reason == "abort"``;
+        it may also finish normally first (the race SGLang has too).
+        """
+        if rid is None:
+            for active in self._active.values():
+                active.aborted = True
+            try:
+                await self._broadcast("/abort_request", {"abort_all": True})
+            except ServerError as exc:
+                if exc.status is not None:
+                    raise
+                logger.warning("abort_all reached no endpoint: %s", exc)  # nothing runs there
+            return
+        target = self._active.get(rid)
+        if target is None:
+            return
+        target.aborted = True
+        if target.endpoint is not None:
+            try:
+                await self._call(
+                    target.endpoint, "POST", "/abort_request", {"rid": target.server_rid}
+                )
+            except ServerError as exc:  # a dead endpoint fails the generate itself
+                logger.debug("abort of %s not delivered: %s", rid, exc)
+
+    async def _broadcast(
+        self, path: str, payload: dict[str, Any] | None, *, method: str = "POST"
+    ) -> dict[str, bytes]:
+        """Call ``path`` on every endpoint in rotation; endpoints that fail leave the rotation.
+
+        Raises:
+            ServerError: a 4xx from any endpoint, or no endpoint answered.
+        """
+        eps = [ep for ep in self._endpoints if ep.healthy]
+        results = await asyncio.gather(
+            *(self._call(ep, method, path, payload) for ep in eps), return_exceptions=True
+        )
+        bodies: dict[str, bytes] = {}
+        for ep, result in zip(eps, results, strict=True):
+            if isinstance(result, ServerError) and result.status is not None:
+                raise result
+            if isinstance(result, BaseException):
+                logger.warning("%s on %s failed: %s", path, ep.url, result)
+                continue
+            bodies[ep.url] = result
+        if not bodies:
+            raise ServerError(f"{path}: no endpoint answered", endpoint=", ".join(self.endpoints))
+        return bodies
+
+    async def pause(self, mode: str = "abort") -> None:
+        """``/pause_generation`` on every endpoint (``"abort"``, ``"retract"``, ``"in_place"``)."""
+        await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        """``/continue_generation`` on every endpoint."""
+        await self._broadcast("/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        """Load ``model_path`` (visible to the servers) on every endpoint as ``weight_version``.
+
+        An endpoint that is out of rotation, or drops out during the call, gets the same
+        weights when its health check passes.
+
+        Raises:
+            ServerError: an endpoint refused the update (``success: false``), or none took it.
+        """
+        label = str(weight_version)
+        eps = [ep for ep in self._endpoints if ep.healthy]
+        results = await asyncio.gather(
+            *(self._update_one(ep, model_path, label) for ep in eps), return_exceptions=True
+        )
+        if any(result is None for result in results):
+            self._last_update = (model_path, label)
+        refused = [r for r in results if isinstance(r, ServerError) and r.status is not None]
+        if refused:
+            raise ServerError(
+                f"weight update to {model_path!r} failed: {refused[0]}",
+                endpoint=refused[0].endpoint,
+            )
+        if not any(result is None for result in results):
+            raise ServerError(
+                f"weight update to {model_path!r}: no endpoint answered ({results})",
+                endpoint=", ".join(self.endpoints),
+            )
+
+    async def _update_one(self, ep: _Endpoint, model_path: str, label: str) -> None:
+        payload = {"model_path": model_path, "weight_version": label}
+        _check_update(await self._call(ep, "POST", "/update_weights_from_disk", payload), ep.url)
+
+    async def flush_cache(self) -> bool:
+        """``/flush_cache`` on every endpoint; False if one refused (busy: requests open)."""
+        try:
+            await self._broadcast("/flush_cache", None)
+        except ServerError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
+
+    async def health(self) -> bool:
+        """Probe every endpoint now; True if at least one is in rotation afterwards."""
+        results = await asyncio.gather(*(self._probe(ep) for ep in self._endpoints))
+        for ep, ok in zip(self._endpoints, results, strict=True):
+            if not ok:
+                self._pool.mark_down(ep, "health check failed")
+        return any(results)
+
+    async def _get_json(self, path: str) -> Any:
+        ep = await self._pick(None, set())
+        if ep is None:
+            raise ServerError(f"{path}: no healthy endpoint", endpoint=", ".join(self.endpoints))
+        raw = await self._call(ep, "GET", path)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ServerError(
+                f"malformed {path} response: {raw[:200]!r}", endpoint=ep.url
+            ) from None
+
+    async def model_info(self) -> dict[str, Any]:
+        """``/model_info`` of a healthy endpoint (includes the live ``weight_version``)."""
+        info = await self._get_json("/model_info")
+        if not isinstance(info, dict):
+            raise ServerError(f"malformed /model_info response: {info!r}", endpoint="")
+        return info
+
+    async def max_model_len(self) -> int:
+        """The context length from ``/v1/models``."""
+        models = await self._get_json("/v1/models")
+        try:
+            return int(models["data"][0]["max_model_len"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ServerError(f"malformed /v1/models response: {models!r}", endpoint="") from None
+
+
+def _aborted_between_tries(rid: str) -> GenerateOutput:
+    """An abort that landed between two tries: nothing was generated."""
+    return GenerateOutput(rid, [], [], [], "abort", weight_version=-1, endpoint="client")
+
+
+def _check_update(raw: bytes, url: str) -> None:
+    try:
+        result = json.loads(raw)
+    except ValueError:
+        raise ServerError(
+            f"malformed weight update response: {raw[:200]!r}", endpoint=url, status=200
+        ) from None
+    if not isinstance(result, dict) or result.get("success") is not True:
+        raise ServerError(f"weight update failed: {result!r}", endpoint=url, status=200)

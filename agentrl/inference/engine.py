@@ -1,0 +1,415 @@
+"""The embedded inference engine: a transformers causal LM behind the ``InferenceClient`` protocol.
+
+Design:
+
+- **One scheduler, one worker thread at a time.** An asyncio task owns every request's state;
+  each iteration hands the torch work (prefill of newly admitted requests plus one decode step of
+  the running batch) to a worker thread via ``asyncio.to_thread``, so the event loop stays
+  responsive. Request state only changes on the event loop, between steps (the state and the
+  step live in ``_engine_ops.Batcher``; this module is the public, async surface).
+- **Continuous batching.** New requests join between decode steps: their prompts are prefilled
+  together (left-padded) and their KV cache is merged into the running batch; finished requests
+  leave at the next step. The batch's KV cache is one left-padded ``DynamicCache``; each row has
+  its own position ids (its count of real tokens) and the 2D attention mask hides the padding,
+  so a row computes what it would compute alone, to float tolerance.
+- **SGLang's log-prob convention.** A sampled token's log-prob is
+  ``log_softmax(logits / temperature)`` over the full vocabulary, not renormalised by
+  top-p/top-k; greedy (temperature 0) returns plain ``log_softmax(logits)``. Outputs include the
+  matched stop token, as SGLang's do.
+- **Versions.** Every token records the weight version that sampled it. A weight update takes
+  the model lock between steps: with generation paused ("retract" or "in_place") it applies at
+  once and the open requests continue on the new weights after ``resume``; otherwise it first
+  drains the running batch (SGLang's behaviour). "retract" recomputes a request's KV cache with
+  the weights loaded at resume time; "in_place" keeps the cache the old weights computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+from typing import Any, Literal
+
+import torch
+
+from agentrl.errors import ServerError
+from agentrl.inference._engine_ops import (
+    Batcher,
+    ModelRunner,
+    Request,
+    eos_token_ids,
+    load_state_dict_strict,
+    read_safetensors_dir,
+)
+from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.sglang_api import warn_if_truncating
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+
+
+class LocalEngine:
+    """An in-process engine: continuous batching, KV cache, SGLang-convention log-probs.
+
+    Implements :class:`~agentrl.inference.base.InferenceClient`, plus the control surface of
+    SGLang's server (``pause``/``resume``, weight updates from disk or a state dict,
+    ``prompt_logprobs`` for scoring). Call it from one event loop at a time.
+
+    The engine owns ``model``: it puts it in eval mode and loads new weights into it, so give it
+    its own copy rather than the learner's module.
+
+    Args:
+        model: a transformers causal LM whose KV cache layers are full attention.
+        tokenizer: its tokenizer (used for EOS ids and by the HTTP server for text).
+        max_batch_size: most requests decoded together; the rest wait in a queue.
+        device: where the model runs (default: where it already is).
+        dtype: the model's dtype (default: unchanged); keep float32 on CPU.
+        weight_version: the version of the loaded weights.
+        max_prefill_tokens: prompt tokens prefilled together in one step (at least one request).
+        seed: seed of the shared sampling stream (requests with ``seed`` use their own).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch_size: int = 64,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        weight_version: int = 0,
+        max_prefill_tokens: int = 16384,
+        seed: int | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+        if device is not None or dtype is not None:
+            model = model.to(device=device, dtype=dtype)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self._version = int(weight_version)
+        self._eos = eos_token_ids(model, tokenizer)
+        self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        self._runner = ModelRunner(model, pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0))
+        generator = torch.Generator(device=self.device)
+        # Unseeded: fresh entropy, without reseeding torch's global generator.
+        generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._batcher = Batcher(
+            self._runner,
+            generator,
+            max_batch_size=max_batch_size,
+            max_prefill_tokens=max_prefill_tokens,
+            max_model_len=self.max_model_len,
+            version=lambda: self._version,
+        )
+        self._requests = self._batcher.requests  # open requests by rid
+        self._paused = False
+        self._draining = False
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._update_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_preset: str,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 64,
+        weight_version: int = 0,
+    ) -> LocalEngine:
+        """Build an engine from an HF model directory or the ``"tiny"`` preset (no download).
+
+        On CUDA a model directory loads in bfloat16 unless ``dtype`` says otherwise; on CPU in
+        float32, so that sampled and recomputed log-probs agree to float tolerance.
+        """
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model: Any
+        tokenizer: Any
+        if path_or_preset == "tiny":
+            from agentrl.tiny import build_tiny
+
+            model, tokenizer = build_tiny()
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            if dtype is None:
+                dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(path_or_preset, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path_or_preset)
+        return cls(
+            model,
+            tokenizer,
+            max_batch_size=max_batch_size,
+            device=device,
+            dtype=dtype,
+            weight_version=weight_version,
+        )
+
+    # ---- properties -------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights loaded now."""
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding: valid token ids are ``[0, vocab_size)``."""
+        return self._vocab
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt plus new tokens may not exceed it."""
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 32768)
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (new requests queue until ``resume``)."""
+        return self._paused
+
+    def stats(self) -> dict[str, int]:
+        """Open requests by state, for load reports."""
+        running = sum(1 for r in self._batcher.running if not r.done)
+        return {
+            "num_running_reqs": running,
+            "num_waiting_reqs": len(self._requests) - running,
+            "max_running_requests": self.max_batch_size,
+        }
+
+    def num_output_tokens(self, rid: str) -> int | None:
+        """Tokens generated so far by the open request ``rid`` (``None`` if not open)."""
+        req = self._requests.get(rid)
+        return None if req is None else len(req.output_ids)
+
+    # ---- InferenceClient ----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateOutput:
+        """Continue ``input_ids``; returns the new tokens, their log-probs and versions.
+
+        ``session_id`` is accepted for protocol compatibility (there is one engine).
+
+        Raises:
+            ServerError: with status 400 for an empty or over-long prompt, an out-of-vocabulary
+                id or a duplicate in-flight ``rid``; 500 when the engine step failed.
+        """
+        self._ensure_started()
+        rid = rid if rid is not None else uuid.uuid4().hex
+        self.check_request(input_ids, params, rid)
+        warn_if_truncating(params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
+        future: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
+        req = Request(rid, list(input_ids), params, future, stop, generator)
+        if params.max_new_tokens == 0:  # prefill-only in SGLang: nothing to sample
+            return self._batcher.output(req, "length", None, "")
+        self._batcher.submit(req)
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._batcher.forget(req)
+            raise
+
+    async def abort(self, rid: str | None = None, *, prefix: bool = False) -> None:
+        """Abort ``rid`` (or every open request when ``None``); callers get partial outputs.
+
+        Args:
+            rid: the request id; ``prefix=True`` matches every id starting with it (SGLang's
+                scheduler matches by prefix).
+            prefix: match ``rid`` as a prefix.
+        """
+        self._batcher.abort_matching(rid, prefix=prefix)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None
+    ) -> None:
+        """Load HF safetensors weights from ``model_path``; bump the version if one is given.
+
+        Raises:
+            ServerError: the directory is missing or its weights do not fit the model.
+        """
+        try:
+            state_dict = await asyncio.to_thread(read_safetensors_dir, model_path)
+        except Exception as exc:  # missing dir, unreadable or corrupt files: the caller's input
+            raise ServerError(f"weight update failed: {exc}", endpoint="local", status=400) from exc
+        await self.update_weights_from_state_dict(state_dict, weight_version)
+
+    async def update_weights_from_state_dict(
+        self, state_dict: dict[str, torch.Tensor], weight_version: int | None = None
+    ) -> None:
+        """Copy ``state_dict`` into the model between steps; bump the version if one is given.
+
+        Paused: applies at once and open requests continue on the new weights after ``resume``.
+        Not paused: waits until the running batch has finished (new requests wait meanwhile).
+
+        Raises:
+            ServerError: names or shapes do not match the model (nothing is changed then).
+        """
+        self._ensure_started()
+        async with self._update_lock:
+            try:
+                await self._drain()
+                async with self._lock:
+                    await asyncio.to_thread(load_state_dict_strict, self.model, state_dict)
+                    if weight_version is not None:
+                        self._version = int(weight_version)
+            except ValueError as exc:
+                raise ServerError(
+                    f"weight update failed: {exc}", endpoint="local", status=400
+                ) from exc
+            finally:
+                self._draining = False
+                self._wake.set()
+        logger.info("engine weights updated; weight_version=%d", self._version)
+
+    async def health(self) -> bool:
+        """Whether the engine can generate (open and its scheduler alive)."""
+        return not self._closed and (self._task is None or not self._task.done())
+
+    async def aclose(self) -> None:
+        """Abort open requests and stop the scheduler (idempotent)."""
+        self._closed = True
+        self._batcher.abort_matching(None, prefix=False)
+        task, self._task = self._task, None
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    # ---- control surface ----------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "abort") -> int:
+        """Stop generating; returns the number of requests left open (paused).
+
+        ``abort`` aborts every open request; ``retract`` keeps them open and recomputes their
+        KV cache at ``resume`` (with whatever weights are loaded then); ``in_place`` freezes the
+        running batch with its cache. New requests queue until ``resume``.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: expected one of {PAUSE_MODES}, got {mode!r}")
+        self._ensure_started()
+        self._paused = True
+        if mode == "abort":
+            self._batcher.abort_matching(None, prefix=False)
+        async with self._lock:  # the step in flight, if any, completes first
+            if mode == "retract":
+                self._batcher.retract()
+        return len(self._requests)
+
+    async def resume(self) -> None:
+        """Continue generating after ``pause`` (SGLang's ``continue_generation``)."""
+        self._ensure_started()
+        self._paused = False
+        self._wake.set()
+
+    continue_generation = resume
+
+    async def flush_cache(self) -> bool:
+        """No prefix cache to flush; like SGLang, refuse (False) while requests are open."""
+        return not self._requests
+
+    async def prompt_logprobs(
+        self, input_ids: list[int], *, temperature: float = 1.0
+    ) -> list[float]:
+        """Teacher-forced log-probs of ``input_ids[1:]``, ``log_softmax(logits / T)``.
+
+        ``temperature`` 0 means 1 (greedy convention). One forward pass over the whole
+        sequence, under the model lock, with the weights loaded now.
+        """
+        self._ensure_started()
+        self.check_request(input_ids, SamplingParams(max_new_tokens=0), rid=None)
+        async with self._lock:
+            return await asyncio.to_thread(self._score, list(input_ids), temperature or 1.0)
+
+    def _score(self, ids: list[int], temperature: float) -> list[float]:
+        with torch.inference_mode():
+            return self._runner.score(ids, temperature)
+
+    # ---- request bookkeeping (event loop only) ------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        """Bind to the running event loop and start the scheduler task if needed."""
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise ServerError("the engine is closed", endpoint="local")
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not None and self._loop is not loop:
+            if self._requests and not self._loop.is_closed():
+                raise RuntimeError("LocalEngine has open requests on another event loop")
+            self._batcher.reset()  # requests of a closed loop can never be answered
+        self._loop = loop
+        self._lock, self._update_lock, self._wake = asyncio.Lock(), asyncio.Lock(), asyncio.Event()
+        self._task = loop.create_task(self._scheduler(), name="agentrl-local-engine")
+        if self._batcher.waiting:
+            self._wake.set()
+
+    def check_request(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> None:
+        """Raise the 400 ``ServerError`` that ``generate`` would raise for this request, if any."""
+
+        def reject(message: str) -> ServerError:
+            return ServerError(message, endpoint="local", rid=rid, status=400)
+
+        if not input_ids:
+            raise reject("input_ids: expected a non-empty list of token ids, got []")
+        if rid is not None and rid in self._requests:
+            raise reject(f"Duplicate request ID detected: {rid}")
+        bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self._vocab]
+        if bad:
+            raise reject(f"input_ids: expected ids in [0, {self._vocab}), got {bad[:3]}")
+        limit = self.max_model_len
+        if len(input_ids) >= limit or len(input_ids) + params.max_new_tokens > limit:
+            raise reject(
+                f"Requested token count exceeds the model's maximum context length of {limit} "
+                f"tokens: {len(input_ids)} input + {params.max_new_tokens} new tokens."
+            )
+
+    async def _drain(self) -> None:
+        """Stop admitting and wait until the running batch is empty (or generation is paused)."""
+        self._draining = True
+        while not self._paused and self._batcher.has_running():
+            await asyncio.sleep(0.005)
+
+    def _has_work(self) -> bool:
+        if self._paused:
+            return False
+        return self._batcher.has_running() or (not self._draining and bool(self._batcher.waiting))
+
+    async def _scheduler(self) -> None:
+        batcher = self._batcher
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._has_work():
+                async with self._lock:
+                    plan = None if self._paused else batcher.plan(admit=not self._draining)
+                    if plan is None:
+                        break
+                    try:
+                        tokens, logprobs = await asyncio.to_thread(batcher.compute, plan)
+                        batcher.apply(plan, tokens, logprobs)
+                    except Exception as exc:  # a failed step fails its requests, not the engine
+                        batcher.fail(plan, exc)
+                await asyncio.sleep(0)  # let aborts, pauses and new requests in

@@ -1,0 +1,581 @@
+"""The embedded engine behind SGLang's native HTTP API: what ``agentrl serve`` runs.
+
+It speaks the subset of SGLang 0.5.23's native API that :class:`SGLangClient` and RL
+frameworks use, with SGLang's request/response shapes and status codes (see
+``shared/ref/sglang-native-api.md``), so the HTTP path is tested on CPU and SGLang's own clients
+work against it. Every ``/generate`` call (single or batch) becomes one request per prompt to a
+shared :class:`LocalEngine`, so concurrent HTTP requests are batched together.
+
+Differences from SGLang, all deliberate: no streaming (``stream: true`` is a 400 that says so);
+sampling features the engine lacks (stop strings, penalties, grammars, ``n > 1``, top-logprobs)
+are a 400 naming the field rather than being ignored; ``/health`` answers 200 while generation
+is paused; ``/abort_request`` matches ``rid`` by prefix, as SGLang's scheduler does. Weight
+version labels are strings on the wire and ints in the engine (``parse_weight_version``);
+the server keeps the label of every int it has seen, so spans report the labels clients sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from aiohttp import web
+
+from agentrl import __version__
+from agentrl.errors import ServerError
+from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.engine import PAUSE_MODES, LocalEngine, PauseMode
+from agentrl.inference.sglang_api import (
+    ContractError,
+    RequestError,
+    TextOptions,
+    finish_reason_json,
+    parse_sampling_params,
+    parse_weight_version,
+    serde_unexpected,
+    version_spans,
+)
+
+logger = logging.getLogger(__name__)
+
+_FLOAT32_MIN = -3.4028234663852886e38  # SGLang clamps log-probs here (JSON has no -inf)
+_UNSUPPORTED_TOP_LEVEL = (
+    "image_data", "video_data", "audio_data", "lora_path", "session_params",
+    "custom_logit_processor", "token_ids_logprob", "input_embeds",
+)  # fmt: skip
+_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+@dataclass
+class _Item:
+    """One prompt of a ``/generate`` call, normalised from the single or batch form."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    text_options: TextOptions
+    return_logprob: bool
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+    return_prompt_token_ids: bool
+
+
+def _plain(exc: Exception) -> str:
+    """The message of ``exc`` without the ``[endpoint=... rid=...]`` that ServerError appends."""
+    return str(exc).split(" [endpoint=")[0]
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _per_prompt(body: dict[str, Any], key: str, default: Any, n: int, batch: bool) -> list[Any]:
+    """A field that is one value for every prompt or, in batch form, a list of n values."""
+    value = body.get(key)
+    if value is None:
+        return [default] * n
+    if batch and isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{key}: expected {n} values (one per prompt), got {len(value)}")
+        return [default if v is None else v for v in value]
+    return [value] * n
+
+
+def _expect(values: list[Any], kind: type, expected: str) -> None:
+    for value in values:
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ContractError(f"invalid type: {serde_unexpected(value)}, expected {expected}")
+
+
+class EngineServer:
+    """The aiohttp application around one :class:`LocalEngine`.
+
+    Args:
+        engine: the engine that serves every request.
+        model_path: reported by ``/model_info``; changes with ``/update_weights_from_disk``.
+        served_model_name: the model id of ``/v1/models`` (default: ``model_path``).
+        weight_version: the label of the engine's current weights (SGLang's ``"default"``).
+    """
+
+    def __init__(
+        self,
+        engine: LocalEngine,
+        *,
+        model_path: str,
+        served_model_name: str | None = None,
+        weight_version: str = "default",
+    ) -> None:
+        self.engine = engine
+        self.model_path = model_path
+        self.served_model_name = served_model_name or model_path
+        self._labels = {engine.weight_version: weight_version}
+        self._startup_label = weight_version
+        self._startup_time = time.time()
+        self.host, self.port = "", 0
+
+    def label_of(self, version: int) -> str:
+        """The wire label of an engine version."""
+        return self._labels.get(version, str(version))
+
+    def app(self) -> web.Application:
+        """The routes of SGLang's native API that this server implements."""
+        app = web.Application(client_max_size=256 * 1024**2, middlewares=[_errors_as_json])
+        get, post = web.get, web.post
+        app.add_routes(
+            [
+                post("/generate", self.generate),
+                web.put("/generate", self.generate),
+                post("/abort_request", self.abort_request),
+                post("/pause_generation", self.pause_generation),
+                post("/continue_generation", self.continue_generation),
+                post("/update_weights_from_disk", self.update_weights_from_disk),
+                get("/flush_cache", self.flush_cache),
+                post("/flush_cache", self.flush_cache),
+                get("/health", self.health),
+                get("/health_generate", self.health),
+                get("/ready", self.ready),
+                get("/model_info", self.model_info),
+                get("/get_model_info", self.model_info),
+                get("/server_info", self.server_info),
+                get("/get_server_info", self.server_info),
+                get("/v1/models", self.models),
+                get("/v1/loads", self.loads),
+            ]
+        )
+        return app
+
+    # ---- /generate ----------------------------------------------------------------------------
+
+    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        """The token ids of every prompt (``input_ids`` wins over ``text``) and the batch flag."""
+        ids, text = body.get("input_ids"), body.get("text")
+        if ids is not None:
+            if not isinstance(ids, list):
+                raise ContractError(f"invalid type: {serde_unexpected(ids)}, expected a sequence")
+            batch = bool(ids) and isinstance(ids[0], list)
+            prompts = ids if batch else [ids]
+            for prompt in prompts:
+                if not isinstance(prompt, list):
+                    raise ContractError(
+                        f"invalid type: {serde_unexpected(prompt)}, expected a sequence"
+                    )
+                _expect(prompt, int, "i64")
+        elif text is not None:
+            batch = isinstance(text, list)
+            texts = text if batch else [text]
+            _expect(texts, str, "a string")
+            # As SGLang: HF defaults, so special tokens (a BOS, if the model has one) are added.
+            tok = self.engine.tokenizer
+            prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
+        else:
+            raise RequestError("Either text or input_ids should be provided.")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise RequestError("input_ids: expected a non-empty prompt, got an empty one")
+        return prompts, batch
+
+    def _parse_generate(self, body: Any) -> tuple[list[_Item], bool]:
+        if not isinstance(body, dict):
+            raise ContractError(
+                f"invalid type: {serde_unexpected(body)}, expected struct GenerateRequest"
+            )
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by agentrl's embedded server")
+        for key in _UNSUPPORTED_TOP_LEVEL:
+            if body.get(key) not in (None, [], ""):
+                raise RequestError(f"{key} is not supported by agentrl's embedded server")
+        if body.get("top_logprobs_num") not in (None, 0) or body.get("return_hidden_states"):
+            raise RequestError("top_logprobs_num / return_hidden_states are not supported here")
+        prompts, batch = self._prompts(body)
+        n = len(prompts)
+        rid = body.get("rid")
+        if isinstance(rid, str) and batch:
+            rids = [f"{rid}_{i}" for i in range(n)]
+        else:
+            rids = [r or uuid.uuid4().hex for r in _per_prompt(body, "rid", None, n, batch)]
+        _expect(rids, str, "a string")
+        vocab = self.engine.vocab_size
+        sampling = [
+            parse_sampling_params(raw, vocab_size=vocab)
+            for raw in _per_prompt(body, "sampling_params", {}, n, batch)
+        ]
+        logprob = _per_prompt(body, "return_logprob", False, n, batch)
+        starts = _per_prompt(body, "logprob_start_len", -1, n, batch)
+        _expect(logprob, bool, "a boolean")
+        _expect(starts, int, "i64")
+        flags = [body.get("return_text_in_logprobs"), body.get("return_prompt_token_ids")]
+        _expect([f for f in flags if f is not None], bool, "a boolean")
+        items = []
+        for i, prompt in enumerate(prompts):
+            if not -1 <= starts[i] <= len(prompt):
+                raise RequestError(
+                    f"logprob_start_len ({starts[i]}) must be -1 or in [0, {len(prompt)}]"
+                )
+            params, options = sampling[i]
+            items.append(
+                _Item(rids[i], prompt, params, options, logprob[i], starts[i], *map(bool, flags))
+            )
+        return items, batch
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """``/generate``: single form → one object, batch form → a list in input order."""
+        try:
+            items, batch = self._parse_generate(await _json_body(request))
+            if len({item.rid for item in items}) < len(items):
+                raise RequestError("Duplicate request ID detected: rids repeat within the batch")
+            for item in items:  # reject before anything of this call starts running
+                self.engine.check_request(item.input_ids, item.params, item.rid)
+        except ContractError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except (RequestError, ServerError) as exc:
+            return _error(_plain(exc))
+        tasks = [asyncio.ensure_future(self._run(item)) for item in items]
+        try:
+            results = await asyncio.gather(*tasks)
+        except ServerError as exc:
+            return _error(_plain(exc), exc.status or 500)
+        finally:
+            for task in tasks:  # the client went away: abort what is still running
+                task.cancel()
+        return web.json_response(results if batch else results[0])
+
+    async def _run(self, item: _Item) -> dict[str, Any]:
+        prompt_entries: list[list[Any]] = []
+        if item.return_logprob and item.logprob_start_len >= 0:
+            # SGLang's input logprobs are untempered log_softmax(logits); position 0 has none.
+            scores = await self.engine.prompt_logprobs(item.input_ids, temperature=1.0)
+            values: list[float | None] = [None, *scores]
+            texts = self._texts(item.input_ids, item.return_text_in_logprobs)
+            prompt_entries = [
+                [_clamp(values[i]), item.input_ids[i], texts[i]]
+                for i in range(item.logprob_start_len, len(item.input_ids))
+            ]
+        out = await self.engine.generate(item.input_ids, item.params, rid=item.rid)
+        return self._response(item, out, prompt_entries)
+
+    def _texts(self, ids: list[int], enabled: bool) -> list[str | None]:
+        if not enabled:
+            return [None] * len(ids)
+        return [self.engine.tokenizer.decode([t]) for t in ids]
+
+    def _response(
+        self, item: _Item, out: GenerateOutput, prompt_entries: list[list[Any]]
+    ) -> dict[str, Any]:
+        shown = out.output_ids
+        if out.finish_reason == "stop" and not item.text_options.no_stop_trim:
+            shown = shown[:-1]  # SGLang trims the matched stop token from `text` only
+        text = self.engine.tokenizer.decode(
+            shown, skip_special_tokens=item.text_options.skip_special_tokens
+        )
+        meta: dict[str, Any] = {
+            "id": out.rid,
+            "finish_reason": finish_reason_json(out, item.params.max_new_tokens),
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(out.output_ids),
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "num_retractions": out.meta.get("num_retractions", 0),
+            "weight_version": self.label_of(self.engine.weight_version),
+            "weight_versions": version_spans(out.versions, self.label_of),
+            "e2e_latency": out.meta.get("e2e_latency"),
+        }
+        if item.return_logprob:
+            texts = self._texts(out.output_ids, item.return_text_in_logprobs)
+            meta["input_token_logprobs"] = prompt_entries
+            meta["output_token_logprobs"] = [
+                [_clamp(lp), t, s]
+                for lp, t, s in zip(out.logprobs, out.output_ids, texts, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(out.output_ids)
+        response: dict[str, Any] = {"text": text, "output_ids": out.output_ids, "meta_info": meta}
+        if item.return_prompt_token_ids:
+            response["prompt_token_ids"] = item.input_ids
+        return response
+
+    # ---- control routes -----------------------------------------------------------------------
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """``{"rid": str, "abort_all": bool}`` → 200 with an empty body, matched or not."""
+        body = await _json_body(request, default={})
+        if body.get("abort_all") is True:
+            await self.engine.abort(None)
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            await self.engine.abort(body["rid"], prefix=True)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """``{"mode": "abort" | "retract" | "in_place"}`` (default ``"abort"``)."""
+        mode = (await _json_body(request, default={})).get("mode") or "abort"
+        if mode not in PAUSE_MODES:
+            return _error(f"mode: expected one of {list(PAUSE_MODES)}, got {mode!r}")
+        await self.engine.pause(cast(PauseMode, mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        """Resume after ``/pause_generation``."""
+        await _json_body(request, default={})
+        await self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """Load an HF directory; ``weight_version`` (if given) becomes the live label."""
+        body = await _json_body(request, default={})
+        path, label = body.get("model_path"), body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            return _error("model_path: expected a non-empty string")
+        if label is not None and not isinstance(label, (str, int)):
+            return _error(f"weight_version: expected a string, got {label!r}")
+        num_paused = self._num_open() if self.engine.paused else 0
+
+        def result(success: bool, message: str) -> web.Response:
+            payload = {"success": success, "message": message, "num_paused_requests": num_paused}
+            return web.json_response(payload, status=200 if success else 400)
+
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return result(False, f"load_format {body['load_format']!r} is not supported")
+        if body.get("abort_all_requests") is True:
+            await self.engine.abort(None)
+        version = None if label is None else parse_weight_version(label)
+        try:
+            await self.engine.update_weights_from_disk(path, version)
+        except ServerError as exc:
+            return result(False, _plain(exc))
+        if version is not None:
+            self._labels[version] = str(label)
+        self.model_path = path
+        return result(True, "Succeeded to update model weights.")
+
+    def _num_open(self) -> int:
+        stats = self.engine.stats()
+        return stats["num_running_reqs"] + stats["num_waiting_reqs"]
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """No prefix cache: 200 when idle, 400 while requests are open (as SGLang)."""
+        if await self.engine.flush_cache():
+            return web.Response(text=_FLUSHED)
+        return web.Response(
+            text="Flush cache failed: requests are running or waiting.\n", status=400
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 if the engine generates one token (or is busy or paused), else 503."""
+        if not await self.engine.health():
+            return web.Response(status=503)
+        if self.engine.paused or self._num_open():
+            return web.Response(status=200)
+        probe = self.engine.generate(
+            [0],
+            SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        )
+        try:
+            await asyncio.wait_for(probe, timeout=20.0)
+        except (TimeoutError, ServerError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """503 while paused."""
+        return web.Response(status=503 if self.engine.paused else 200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """Live model identity and ``weight_version`` label."""
+        config = self.engine.model.config
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.served_model_name,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.label_of(self.engine.weight_version),
+                "load_format": None,
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None),
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """Startup configuration (the live weight label is in ``/model_info``)."""
+        limit = self.engine.max_model_len
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.served_model_name,
+                "tokenizer_path": self.model_path,
+                "host": self.host,
+                "port": self.port,
+                "context_length": limit,
+                "max_context_length": limit,
+                "max_req_input_len": limit - 1,
+                "max_total_num_tokens": limit * self.engine.max_batch_size,
+                "max_running_requests": self.engine.max_batch_size,
+                "tp_size": 1,
+                "dp_size": 1,
+                "page_size": 1,
+                "weight_version": self._startup_label,
+                "device": str(self.engine.device),
+                "incremental_streaming_output": False,
+                "disaggregation_mode": "null",
+                "internal_states": [{"paused": self.engine.paused}],
+                "startup_time": self._startup_time,
+                "version": f"agentrl-{__version__}",
+                "frontend": "agentrl",
+            }
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI-style model list; ``max_model_len`` is the context length."""
+        card = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": int(self._startup_time),
+            "owned_by": "sglang",
+            "root": self.served_model_name,
+            "parent": None,
+            "max_model_len": self.engine.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """``/v1/loads``: one DP rank's request counts (the drain check slime uses)."""
+        load = {"dp_rank": 0, **self.engine.stats(), "timestamp": time.time()}
+        return web.json_response(
+            {
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "version": f"agentrl-{__version__}",
+                "accelerator": str(self.engine.device),
+                "num_accelerators": 1,
+                "loads": [load],
+            }
+        )
+
+
+def _clamp(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, _FLOAT32_MIN)
+
+
+async def _json_body(request: web.Request, default: Any = None) -> Any:
+    """The parsed JSON body (``default`` when empty); invalid JSON is a 400."""
+    raw = await request.read()
+    if not raw.strip():
+        if default is None:
+            raise RequestError("expected a JSON body")
+        return default
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RequestError(f"invalid JSON body: {exc}") from exc
+    if default is not None and not isinstance(body, dict):
+        raise RequestError("expected a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors_as_json(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Turn stray errors into SGLang's error body instead of aiohttp's HTML pages."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        return _error(exc.reason, exc.status)
+    except (RequestError, ContractError) as exc:
+        return _error(str(exc))
+    except Exception as exc:
+        logger.exception("unhandled error on %s", request.path)
+        return _error(f"internal error: {exc!r}", 500)
+
+
+async def serve(
+    engine: LocalEngine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    model_path: str = "",
+    served_model_name: str | None = None,
+    weight_version: str = "default",
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve ``engine`` over HTTP until ``stop`` is set (or the task is cancelled).
+
+    ``port=0`` picks a free port; ``on_ready`` gets the base URL once the socket listens.
+    Client disconnects cancel their handlers, which aborts their requests in the engine.
+    """
+    server = EngineServer(
+        engine,
+        model_path=model_path,
+        served_model_name=served_model_name,
+        weight_version=weight_version,
+    )
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        server.host, server.port = host, int(runner.addresses[0][1])
+        url = f"http://{host}:{server.port}"
+        logger.info("serving %s on %s (weight_version=%s)", model_path, url, weight_version)
+        if on_ready is not None:
+            on_ready(url)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await engine.aclose()
+        await runner.cleanup()
+        logger.info("server on port %d stopped", server.port)
+
+
+def run_server(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    max_batch_size: int = 64,
+    device: str | None = None,
+    weight_version: str = "default",
+    served_model_name: str | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Build a :class:`LocalEngine` for ``model`` (a directory or ``"tiny"``) and serve it.
+
+    Blocks until SIGINT or SIGTERM, then shuts down cleanly.
+    """
+    engine = LocalEngine.from_pretrained(
+        model,
+        device=device,
+        max_batch_size=max_batch_size,
+        weight_version=parse_weight_version(weight_version),
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(
+            engine,
+            host=host,
+            port=port,
+            model_path=model,
+            served_model_name=served_model_name,
+            weight_version=weight_version,
+            on_ready=on_ready,
+            stop=stop,
+        )
+
+    asyncio.run(main())
