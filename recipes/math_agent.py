@@ -38,7 +38,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "max_total_tokens": 64, "temperature": 1.0},
         "cold_start": {"steps": 600, "lr": 1e-3, "batch_size": 64, "target_success": 0.3,
                        "check_every": 25},
-        "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token"},
+        "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token",
+                    "micro_batch_tokens": 1024},
         "train": {"steps": 80, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 540},
     },
     # A GPU host: Qwen3-1.7B served by SGLang (--endpoint) or loaded locally with transformers.

@@ -81,6 +81,7 @@ def test_trajectories_record_what_the_update_saw(tmp_path: Path) -> None:
     asyncio.run(Trainer(load_config(tiny_run(tmp_path, train={"steps": 1}))).run())
     lines = [json.loads(ln) for ln in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     assert lines, "a step with signal writes its trajectories"
+    diffs = []
     for rec in lines:
         t = rec["trajectory"]
         assert len(rec["advantages"]) == len(t["tokens"]) == len(rec["trainer_logprobs"])
@@ -88,9 +89,12 @@ def test_trajectories_record_what_the_update_saw(tmp_path: Path) -> None:
             t["loss_mask"], rec["advantages"], t["logprobs"], rec["trainer_logprobs"], strict=True
         ):
             if m:
-                assert abs(tlp - lp) < 1e-3  # engine and trainer agree in float32
+                assert tlp <= 0.0
+                diffs.append(abs(tlp - lp))
             else:
-                assert adv == 0.0
+                assert adv == 0.0 and tlp == 0.0
+    # the first mini-batch matches the engine to float32 noise; later ones moved a little
+    assert min(diffs) < 1e-5 and sum(diffs) / len(diffs) < 0.05
 
 
 def test_bad_config_names_the_field(tmp_path: Path) -> None:

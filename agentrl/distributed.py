@@ -1,0 +1,135 @@
+"""Multi-rank helpers of the learner: FSDP2 sharding, sequence placement, merged metrics.
+
+The learner runs unchanged in one process or under ``torchrun``. With more than one rank:
+
+* the model is sharded with FSDP2: ``fully_shard`` on every decoder block (the model's
+  ``_no_split_modules``) and then on the root module that computes the log-probs, so that the
+  embedding, final norm and head are gathered around the head computation too;
+* every rank receives the same whole batch and keeps a token-balanced share of each
+  mini-batch (:func:`rank_share`, deterministic, so ranks agree without talking);
+* every rank runs the same number of micro-batches (:func:`equalize_counts` pads with empty
+  ones), since each forward and backward of a sharded module is a collective;
+* metrics are merged once per step (:meth:`StepStats.merged`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)``; ``(0, 1)`` without an initialised process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard(model: nn.Module, root: nn.Module, device: torch.device, world_size: int) -> None:
+    """Shard ``model``'s decoder blocks and then ``root`` (which contains ``model``) with FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for sub in model.modules():
+        if type(sub).__name__ in blocks:
+            fully_shard(sub, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+
+
+def rank_share(
+    indices: Sequence[int], lengths: Sequence[int], rank: int, world_size: int
+) -> list[int]:
+    """The ``indices`` that ``rank`` trains on: longest first, each to the least-loaded rank.
+
+    Args:
+        indices: the mini-batch's sample indices.
+        lengths: token count of every sample (indexed by sample index).
+        rank: this rank.
+        world_size: number of ranks.
+
+    Returns:
+        This rank's indices, sorted.
+    """
+    if world_size == 1:
+        return list(indices)
+    loads = [0] * world_size
+    mine = []
+    for i in sorted(indices, key=lambda i: -lengths[i]):
+        r = loads.index(min(loads))
+        loads[r] += lengths[i]
+        if r == rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def equalize_counts(micro: list[list[list[int]]], device: torch.device) -> None:
+    """Pad every mini-batch's micro-batch list (in place) to the longest across ranks."""
+    if world()[1] == 1:
+        return
+    counts = torch.tensor([len(m) for m in micro], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    for m, c in zip(micro, counts.tolist(), strict=True):
+        m += [[] for _ in range(c - len(m))]
+
+
+def gather_dict(local: dict[int, Any]) -> dict[int, Any]:
+    """The union of every rank's ``local`` dict (keys are disjoint across ranks)."""
+    if world()[1] == 1:
+        return local
+    parts: list[Any] = [None] * world()[1]
+    dist.all_gather_object(parts, local)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+class StepStats:
+    """Weighted means, sums, minima and maxima of one learner step, mergeable across ranks."""
+
+    def __init__(self) -> None:
+        self.means: dict[str, list[float]] = {}  # key -> [sum of value * weight, sum of weights]
+        self.sums: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def mean(self, key: str, value: float, weight: float) -> None:
+        """Add ``value`` to the weighted mean ``key``."""
+        acc = self.means.setdefault(key, [0.0, 0.0])
+        acc[0] += value * weight
+        acc[1] += weight
+
+    def add(self, key: str, value: float) -> None:
+        """Add ``value`` to the sum ``key``."""
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def extreme(self, key: str, value: float, *, high: bool) -> None:
+        """Keep the maximum (``high``) or minimum of ``key``."""
+        table, pick = (self.maxs, max) if high else (self.mins, min)
+        table[key] = pick(table[key], value) if key in table else value
+
+    def merged(self) -> StepStats:
+        """These statistics combined over all ranks (a collective under ``torch.distributed``)."""
+        if world()[1] == 1:
+            return self
+        parts: list[Any] = [None] * world()[1]
+        dist.all_gather_object(parts, self)
+        out = StepStats()
+        for p in parts:
+            for k, (s, w) in p.means.items():
+                out.mean(k, s / w if w else 0.0, w)
+            for k, v in p.sums.items():
+                out.add(k, v)
+            for k, v in p.mins.items():
+                out.extreme(k, v, high=False)
+            for k, v in p.maxs.items():
+                out.extreme(k, v, high=True)
+        return out
+
+    def result(self) -> dict[str, float]:
+        """All statistics as one flat metrics dict."""
+        out = {k: s / w for k, (s, w) in self.means.items() if w > 0}
+        return {**out, **self.sums, **self.mins, **self.maxs}

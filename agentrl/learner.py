@@ -1,0 +1,499 @@
+"""The learner: GSPO-token (or GSPO, GRPO) updates of a causal LM on rollout batches.
+
+One :meth:`Learner.step` takes a rollout batch of :class:`TrainSample` and:
+
+* splits it, in order, into ``num_minibatches`` mini-batches (one optimizer step each; only
+  the first is on-policy, which is why the ratio is clipped), and each mini-batch into
+  micro-batches of at most ``micro_batch_tokens`` tokens, sequences packed into one row
+  (:mod:`agentrl.packing`), gradients accumulated so that the update equals one pass over the
+  whole mini-batch (the loss's ``num_sequences`` is the mini-batch's sequence count);
+* uses the **engine's log-probs as old log-probs** (``recompute_old_logprobs`` computes them
+  with this model before any update instead), and reports the engine/trainer mismatch on the
+  first mini-batch, before any update (``mismatch/*``);
+* optionally corrects that mismatch with truncated importance sampling (``tis``, needs the
+  recomputed old log-probs): per-token advantages are multiplied by
+  ``w = min(exp(old_trainer - old_engine), tis_cap)``, per token or, with ``"sequence"``, one
+  weight per sequence from the *mean* log-ratio (GSPO's length-normalised ratio, not the product,
+  which explodes with length); ``tis/capped_frac`` is the share of tokens whose weight was capped;
+* optionally adds ``kl_coef * KL(π_θ || π_ref)`` against a frozen reference model.
+
+Metrics: ``loss/policy`` (mean over mini-batches), ``loss/clip_frac_tokens``,
+``loss/clip_frac_seqs``, ``loss/ratio_mean|min|max``, ``loss/approx_kl``, ``loss/grad_norm``
+(before clipping, mean and ``_max`` over mini-batches), ``mismatch/mean_abs|max_abs`` (per token)
+and ``mismatch/seq_log_ratio_mean|_abs_max`` (per sequence, the log of the ratio GSPO would see
+at the first mini-batch from mismatch alone), ``tis/capped_frac|weight_mean``,
+``loss/kl`` and ``kl/token_mean|token_max``, ``perf/train_s|tokens|tokens_per_s|recompute_s``.
+The trainer's pre-update log-probs are kept in :attr:`Learner.last_trainer_logprobs`.
+
+Precision: parameters, gradients and AdamW states stay float32 (the master weights). With
+``dtype="bfloat16"`` the model body runs under ``torch.autocast`` in bf16; the head and the
+log-softmax always run in float32 (the GSPO clip range of 3e-4 is below bf16's resolution).
+CPU runs keep the default float32. Exported weights are cast back to the dtype the model came in.
+
+Multi-GPU: when ``torch.distributed`` is initialised with more than one rank, the model is
+sharded with FSDP2 (``fully_shard`` on every decoder layer and on the log-prob module). Every rank
+is given the same whole batch; each mini-batch's sequences are spread over the ranks balanced by
+tokens, ranks run the same number of micro-batches (empty ones where they have fewer), and the
+averaged gradient equals the single-process one. A reference model is kept whole on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+from transformers import PreTrainedModel
+
+from agentrl.checkpoint import (
+    full_state_dict,
+    load_training_state,
+    load_training_state_from,
+    save_hf_checkpoint,
+    save_training_state,
+    training_state,
+)
+from agentrl.distributed import StepStats, equalize_counts, gather_dict, rank_share, shard, world
+from agentrl.errors import ConfigError
+from agentrl.logprobs import LogprobModel
+from agentrl.losses import get_loss, kl_to_reference
+from agentrl.packing import (
+    PackedBatch,
+    TrainSample,
+    build_packed_batch,
+    masked_values,
+    pack_sequences,
+    samples_from_trajectories,
+)
+
+__all__ = ["Learner", "LearnerConfig", "TrainSample", "samples_from_trajectories"]
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = TrainSample([0], [0], [0.0], [-1], [0.0])  # what a rank with no sequence left runs
+
+
+class LearnerConfig(BaseModel):
+    """Optimisation settings of the :class:`Learner`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    lr: float = Field(1e-6, ge=0)
+    """AdamW learning rate; 0 is the sanity mode (ratios stay 1 up to numerics)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay, on every parameter."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; ``None`` only measures it."""
+    num_minibatches: int = Field(4, ge=1)
+    """Optimizer steps per rollout batch (split in order; fewer if it has fewer sequences)."""
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one packed micro-batch (a longer sequence gets a micro-batch alone)."""
+    loss: Literal["gspo_token", "gspo", "grpo"] = "gspo_token"
+    """Policy loss; ``gspo`` uses each sequence's mean per-token advantage."""
+    eps_low: float | None = Field(None, ge=0)
+    """Lower clip range; ``None`` takes the loss's default (3e-4 for GSPO, 0.2 for GRPO)."""
+    eps_high: float | None = Field(None, ge=0)
+    """Upper clip range; ``None`` takes the loss's default (4e-4 for GSPO, 0.28 for GRPO)."""
+    temperature: float = Field(1.0, ge=0)
+    """The engine's sampling temperature (must match it); 0, greedy, counts as 1."""
+    logprob_chunk_size: int = Field(1024, ge=1)
+    """Tokens per chunk of the head + log-softmax (peak memory grows with it)."""
+    recompute_old_logprobs: bool = False
+    """Recompute old log-probs with this model before the update instead of the engine's."""
+    tis: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling against engine/trainer mismatch (needs recompute)."""
+    tis_cap: float = Field(2.0, gt=0)
+    """The cap C of the truncated importance weights."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL-to-reference term; 0 needs no reference model."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the model body (``bfloat16``: autocast, float32 master weights)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory)."""
+    seed: int = 0
+    """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LearnerConfig:
+        if self.tis is not None and not self.recompute_old_logprobs:
+            raise ValueError(
+                "tis: expected recompute_old_logprobs=True (the importance weight compares the "
+                "trainer's old log-probs with the engine's), got recompute_old_logprobs=False"
+            )
+        return self
+
+
+def _tis_weights(
+    trainer: torch.Tensor, engine: torch.Tensor, batch: PackedBatch, level: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights per target, and which of them were capped.
+
+    ``min(exp(trainer - engine), cap)``; at ``sequence`` level the log-ratio is the mean over
+    the sequence's trained tokens (GSPO's length-normalised ratio).
+    """
+    log_w = trainer - engine  # (n,)
+    if level == "sequence":
+        sums = torch.zeros(batch.num_seqs, device=log_w.device).index_add(0, batch.seq_index, log_w)
+        counts = torch.zeros_like(sums).index_add(0, batch.seq_index, torch.ones_like(log_w))
+        log_w = (sums / counts.clamp(min=1))[batch.seq_index]  # (n,) its sequence's mean
+    raw = log_w.exp()
+    return raw.clamp(max=cap), raw > cap
+
+
+class Learner:
+    """Trains a causal LM on rollout batches; see the module docstring.
+
+    Args:
+        model: a transformers causal LM, trained in place (its parameters become float32).
+        config: optimisation settings.
+        ref_model: frozen reference model, needed when ``config.kl_coef > 0``.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: LearnerConfig,
+        *,
+        ref_model: PreTrainedModel | None = None,
+    ) -> None:
+        if config.kl_coef > 0 and ref_model is None:
+            raise ConfigError("ref_model: expected a reference model when kl_coef > 0, got None")
+        if getattr(model.config.get_text_config(), "final_logit_softcapping", None):
+            raise ConfigError("model: logit soft-capping is not supported by the chunked head")
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.model = model
+        self.rank, self.world_size = world()
+        self.device = next(model.parameters()).device
+        self.export_dtype = next(model.parameters()).dtype
+        self.architecture = type(model).__name__  # before FSDP renames the class
+        self._attn = str(model.config._attn_implementation)
+        nn.Module.to(model, torch.float32)  # float32 master weights
+        if config.gradient_checkpointing:  # transformers 5 renamed it
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
+        self.module = self._wrap(model)
+        if self.world_size > 1:
+            shard(model, self.module, self.device, self.world_size)
+        self.ref: LogprobModel | None = None
+        if ref_model is not None:
+            nn.Module.to(ref_model, device=self.device, dtype=torch.float32)
+            ref_model.eval().requires_grad_(False)
+            self.ref = self._wrap(ref_model)
+        self._loss_fn = get_loss(config.loss)
+        eps = {"eps_low": config.eps_low, "eps_high": config.eps_high}
+        self._eps = {k: v for k, v in eps.items() if v is not None}
+        self.num_steps = 0
+        """Optimizer steps taken."""
+        self.last_trainer_logprobs: list[list[float] | None] = []
+        """Per sample of the last batch, the trainer's log-prob of each token as its own
+        mini-batch saw it (0.0 where the mask is 0): before any update for the first
+        mini-batch, after the earlier mini-batches' updates for the rest (before any update for
+        all samples when old log-probs are recomputed)."""
+        self.optimizer = self._make_optimizer()
+
+    def _wrap(self, model: PreTrainedModel) -> LogprobModel:
+        autocast = torch.bfloat16 if self.config.dtype == "bfloat16" else None
+        return LogprobModel(
+            model,
+            temperature=self.config.temperature,
+            chunk_size=self.config.logprob_chunk_size,
+            autocast_dtype=autocast,
+        )
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+
+    def reset_optimizer(self) -> None:
+        """Start AdamW afresh (moments and step counts), e.g. after a supervised cold start."""
+        self.optimizer = self._make_optimizer()
+
+    # ------------------------------------------------------------------ the update
+
+    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One update on a rollout batch: ``num_minibatches`` optimizer steps.
+
+        Under ``torch.distributed`` every rank passes the same whole batch.
+
+        Args:
+            samples: the rollout batch.
+
+        Returns:
+            Metrics (``loss/*``, ``mismatch/*``, ``tis/*``, ``kl/*``, ``perf/*``).
+        """
+        if not samples:
+            raise ValueError("samples: expected at least one sample, got none")
+        t0 = time.perf_counter()
+        minibatches, micro = self._plan(samples)
+        stats = StepStats()
+        old_trainer: dict[int, torch.Tensor] | None = None
+        if self.config.recompute_old_logprobs:
+            old_trainer = self._recompute(samples, micro)
+            stats.extreme("perf/recompute_s", time.perf_counter() - t0, high=True)
+        first: dict[int, torch.Tensor] = {}
+        self.module.train()
+        for indices, micro_k in zip(minibatches, micro, strict=True):
+            num_seqs = max(1, sum(1 for i in indices if samples[i].num_loss_tokens))
+            for m in micro_k:
+                self._micro_step(
+                    samples, m, num_seqs, old_trainer, stats, first
+                )
+            self._optimizer_step(stats)
+        pre_update = old_trainer if old_trainer is not None else first
+        self._record_trainer_logprobs(samples, pre_update, set(minibatches[0]), stats)
+        out = stats.merged().result()
+        for key in ("loss/policy", "loss/kl"):  # summed over micro-batches and ranks
+            if key in out:
+                out[key] /= len(minibatches)
+        train_s = time.perf_counter() - t0
+        tokens = float(sum(len(s.tokens) for s in samples))
+        out["perf/train_s"], out["perf/tokens"] = train_s, tokens
+        out["perf/tokens_per_s"], out["perf/minibatches"] = tokens / train_s, len(minibatches)
+        return out
+
+    def _plan(
+        self, samples: Sequence[TrainSample]
+    ) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Mini-batches (sample indices) and, for each, this rank's packed micro-batches."""
+        n = len(samples)
+        m = min(self.config.num_minibatches, n)
+        bounds = [round(k * n / m) for k in range(m + 1)]
+        lengths = [len(s.tokens) for s in samples]
+        minibatches = [list(range(bounds[k], bounds[k + 1])) for k in range(m)]
+        micro = []
+        for indices in minibatches:
+            mine = rank_share(indices, lengths, self.rank, self.world_size)
+            bins = pack_sequences([lengths[i] for i in mine], self.config.micro_batch_tokens)
+            micro.append([[mine[j] for j in b] for b in bins])
+        equalize_counts(micro, self.device)
+        return minibatches, micro
+
+    def _forward(
+        self, module: LogprobModel, samples: Sequence[TrainSample], micro: list[int]
+    ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+        sel = [samples[i] for i in micro] or [_EMPTY]
+        batch = build_packed_batch(
+            [s.tokens for s in sel],
+            [s.loss_mask for s in sel],
+            attn_implementation=self._attn,
+            device=self.device,
+        )
+        logprobs, zero = module.run(batch)
+        return batch, logprobs, zero
+
+    @staticmethod
+    def _split(
+        samples: Sequence[TrainSample], micro: list[int], flat: torch.Tensor
+    ) -> dict[int, torch.Tensor]:
+        counts = [samples[i].num_loss_tokens for i in micro]
+        return dict(zip(micro, flat.detach().split(counts), strict=True))
+
+    @torch.no_grad()
+    def _recompute(
+        self, samples: Sequence[TrainSample], micro: list[list[list[int]]]
+    ) -> dict[int, torch.Tensor]:
+        """The trainer's log-probs of every sample this rank trains on, before any update."""
+        self.module.eval()
+        out: dict[int, torch.Tensor] = {}
+        for m in (m for micro_k in micro for m in micro_k):
+            _, logprobs, _ = self._forward(self.module, samples, m)
+            out.update(self._split(samples, m, logprobs))
+        return out
+
+    def _micro_step(
+        self,
+        samples: Sequence[TrainSample],
+        micro: list[int],
+        num_seqs: int,
+        old_trainer: dict[int, torch.Tensor] | None,
+        stats: StepStats,
+        first: dict[int, torch.Tensor] | None,
+    ) -> None:
+        batch, logprobs, zero = self._forward(self.module, samples, micro)
+        if batch.targets.numel() == 0:  # nothing trains here; keep the collectives in step
+            zero.backward()
+            return
+        sel = [samples[i] for i in micro]
+        masks = [s.loss_mask for s in sel]
+        engine = masked_values([s.logprobs for s in sel], masks, self.device)  # (n,)
+        adv = masked_values([s.advantages for s in sel], masks, self.device)  # (n,)
+        if first is not None:
+            first.update(self._split(samples, micro, logprobs))
+        old = torch.cat([old_trainer[i] for i in micro]) if old_trainer is not None else engine
+        if self.config.tis is not None:
+            w, capped = _tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
+            adv = adv * w
+            stats.mean("tis/capped_frac", capped.float().mean().item(), capped.numel())
+            stats.mean("tis/weight_mean", w.mean().item(), w.numel())
+        loss = self._policy_loss(batch, logprobs, old, adv, num_seqs, stats)
+        if self.ref is not None and self.config.kl_coef > 0:
+            loss = loss + self.config.kl_coef * self._kl(batch, logprobs, num_seqs, stats)
+        # FSDP averages gradients over ranks; this loss is this rank's share summed / num_seqs
+        (loss * self.world_size + zero).backward()
+
+    def _policy_loss(
+        self,
+        batch: PackedBatch,
+        logprobs: torch.Tensor,
+        old: torch.Tensor,
+        adv: torch.Tensor,
+        num_seqs: int,
+        stats: StepStats,
+    ) -> torch.Tensor:
+        mask = batch.padded_mask()  # (S, W)
+        adv_pad = batch.to_padded(adv)  # (S, W)
+        if self.config.loss == "gspo":  # one advantage per sequence: its tokens' mean
+            adv_pad = adv_pad.sum(-1) / mask.sum(-1).clamp(min=1)  # (S,)
+        loss, st = self._loss_fn(
+            batch.to_padded(logprobs),
+            batch.to_padded(old),
+            adv_pad,
+            mask,
+            **self._eps,
+            num_sequences=num_seqs,
+        )
+        stats.add("loss/policy", loss.item())
+        stats.add("loss/num_tokens", float(st.num_tokens))
+        stats.mean("loss/clip_frac_tokens", st.clip_frac_tokens, st.num_tokens)
+        stats.mean("loss/approx_kl", st.approx_kl, st.num_tokens)
+        stats.mean("loss/clip_frac_seqs", st.clip_frac_seqs, st.num_seqs)
+        ratio_units = st.num_tokens if self.config.loss == "grpo" else st.num_seqs
+        stats.mean("loss/ratio_mean", st.ratio_mean, ratio_units)
+        if st.num_tokens:
+            stats.extreme("loss/ratio_min", st.ratio_min, high=False)
+            stats.extreme("loss/ratio_max", st.ratio_max, high=True)
+        return loss
+
+    def _kl(
+        self, batch: PackedBatch, logprobs: torch.Tensor, num_seqs: int, stats: StepStats
+    ) -> torch.Tensor:
+        assert self.ref is not None
+        with torch.no_grad():
+            ref_lp, _ = self.ref.run(batch)
+        kl, kst = kl_to_reference(
+            batch.to_padded(logprobs),
+            batch.to_padded(ref_lp),
+            batch.padded_mask(),
+            num_sequences=num_seqs,
+        )
+        stats.add("loss/kl", kl.item())
+        stats.mean("kl/token_mean", kst.kl_token_mean, kst.num_tokens)
+        stats.extreme("kl/token_max", kst.kl_token_max, high=True)
+        return kl
+
+    def _optimizer_step(self, stats: StepStats) -> None:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor
+        if math.isfinite(value):
+            self.optimizer.step()
+            self.num_steps += 1
+        else:
+            logger.warning("non-finite gradient norm (%s): optimizer step skipped", value)
+            stats.add("loss/skipped_steps", 1.0 / self.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.mean("loss/grad_norm", value, 1.0 / self.world_size)
+        stats.extreme("loss/grad_norm_max", value, high=True)
+
+    def _record_trainer_logprobs(
+        self,
+        samples: Sequence[TrainSample],
+        pre_update: dict[int, torch.Tensor],
+        first_indices: set[int],
+        stats: StepStats,
+    ) -> None:
+        """Mismatch metrics on the first mini-batch; ``last_trainer_logprobs`` for the viewer."""
+        local: dict[int, list[float]] = {}
+        for i, lp in pre_update.items():
+            s = samples[i]
+            trainer = lp.float().cpu()
+            values = iter(trainer.tolist())
+            local[i] = [next(values) if m else 0.0 for m in s.loss_mask]
+            if i not in first_indices or trainer.numel() == 0:
+                continue
+            engine = torch.tensor([v for v, m in zip(s.logprobs, s.loss_mask, strict=True) if m])
+            diff = trainer - engine  # (n_i,)
+            stats.mean("mismatch/mean_abs", diff.abs().mean().item(), diff.numel())
+            stats.extreme("mismatch/max_abs", diff.abs().max().item(), high=True)
+            stats.mean("mismatch/seq_log_ratio_mean", diff.mean().item(), 1.0)
+            stats.extreme("mismatch/seq_log_ratio_abs_max", diff.mean().abs().item(), high=True)
+        gathered = gather_dict(local)
+        self.last_trainer_logprobs = [gathered.get(i) for i in range(len(samples))]
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def state_dict_for_inference(self) -> dict[str, torch.Tensor]:
+        """Full weights under the model's Hugging Face names, in the dtype it came in.
+
+        Under FSDP every rank must call this (the shards are gathered).
+        """
+        return full_state_dict(self.model, self.export_dtype)
+
+    def save_pretrained(self, path: str | Path, tokenizer: Any | None = None) -> Path:
+        """Write a Hugging Face checkpoint (config + ``model.safetensors``) for the engine.
+
+        What SGLang's ``update_weights_from_disk`` loads. Under FSDP every rank must call it;
+        rank 0 writes.
+
+        Args:
+            path: output directory (created).
+            tokenizer: optionally saved alongside.
+
+        Returns:
+            The directory.
+        """
+        weights = self.state_dict_for_inference()
+        if self.rank != 0:
+            return Path(path)
+        return save_hf_checkpoint(
+            self.model,
+            weights,
+            path,
+            architecture=self.architecture,
+            dtype=self.export_dtype,
+            tokenizer=tokenizer,
+        )
+
+    def state(self) -> dict[str, Any]:
+        """A snapshot of model, optimizer, RNG and step count (this rank's shards under FSDP)."""
+        return {**training_state(self.module, self.optimizer), "num_steps": self.num_steps}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state` snapshot taken on the same model and number of ranks."""
+        self.reset_optimizer()
+        load_training_state(self.module, self.optimizer, state)
+        self.num_steps = int(state["num_steps"])
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Write model, optimizer, RNG and step count under ``path/learner`` (every rank calls)."""
+        save_training_state(
+            self.module,
+            self.optimizer,
+            Path(path) / "learner",
+            rank=self.rank,
+            world_size=self.world_size,
+            meta={"num_steps": self.num_steps},
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (same model and number of ranks)."""
+        self.reset_optimizer()
+        meta = load_training_state_from(
+            self.module,
+            self.optimizer,
+            Path(path) / "learner",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self.num_steps = int(meta["num_steps"])

@@ -1,0 +1,212 @@
+"""Log-probs of sampled tokens without materialising the ``(tokens, vocab)`` logits.
+
+:func:`chunked_token_logprobs` computes ``log_softmax(hidden @ W.T / T)[target]`` — the engine's
+convention (:mod:`agentrl.inference.base`; temperature 0 means greedy and counts as 1) — in
+float32, ``chunk_size`` tokens at a time, as one autograd function:
+
+* forward, per chunk: logits into one ``(chunk, vocab)`` buffer, the target's logit picked, the
+  log-sum-exp computed in place; only the ``(n,)`` log-sum-exps are kept for the backward;
+* backward, per chunk: the logits are recomputed into one buffer and turned in place into the
+  gradient ``g · (onehot(target) - softmax) / T``, then ``∂hidden = G @ W`` and ``∂W += Gᵀ @
+  hidden``.
+
+So peak memory is about one chunk of float32 logits in either pass, whatever the batch (a
+``checkpoint``-per-chunk version keeps three or four such buffers alive in its backward). The
+cost is one extra head matmul in the backward, as with activation checkpointing.
+
+:class:`LogprobModel` runs a causal LM's body on a packed micro-batch
+(:class:`~agentrl.packing.PackedBatch`) and then this head on the trained tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from agentrl.packing import PackedBatch
+
+
+def _logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_t: float
+) -> torch.Tensor:
+    out = h @ weight.t()  # (c, V) float32
+    if bias is not None:
+        out += bias
+    if inv_t != 1.0:
+        out *= inv_t
+    return out
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """``log_softmax(h @ W.T (+ b)) / T)[target]`` per row, chunked; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        inv_t: float,
+        chunk_size: int,
+    ) -> torch.Tensor:
+        h32, w32 = hidden.float(), weight.float()
+        b32 = None if bias is None else bias.float()
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, n, chunk_size):
+            logits = _logits(h32[s : s + chunk_size], w32, b32, inv_t)  # (c, V)
+            picked = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
+            top = logits.amax(dim=1)
+            lse_c = logits.sub_(top[:, None]).exp_().sum(dim=1).log_() + top  # destroys logits
+            lse[s : s + chunk_size] = lse_c
+            out[s : s + chunk_size] = picked - lse_c
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.inv_t, ctx.chunk_size = inv_t, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        inv_t, chunk = ctx.inv_t, ctx.chunk_size
+        h32, w32 = hidden.float(), weight.float()
+        b32 = None if bias is None else bias.float()
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h32) if need_h else None
+        grad_w = torch.zeros_like(w32) if need_w else None
+        grad_b = torch.zeros_like(b32) if need_b and b32 is not None else None
+        g = grad_out.float()
+        for s in range(0, hidden.shape[0], chunk):
+            e = s + chunk
+            grad = _logits(h32[s:e], w32, b32, inv_t)  # (c, V), becomes dL/dlogits in place
+            grad.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])  # -g * softmax
+            grad.scatter_add_(1, targets[s:e, None], g[s:e, None])  # + g * onehot
+            if inv_t != 1.0:
+                grad.mul_(inv_t)
+            if grad_h is not None:
+                grad_h[s:e] = grad @ w32
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h32[s:e])
+            if grad_b is not None:
+                grad_b += grad.sum(dim=0)
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T / T)[target]`` per token, ``chunk_size`` tokens at a time.
+
+    Args:
+        hidden: ``(n, H)`` hidden states that predict the targets (any float dtype).
+        weight: ``(V, H)`` output-embedding (head) weight.
+        targets: ``(n,)`` token ids.
+        bias: optional ``(V,)`` head bias.
+        temperature: the engine's sampling temperature; 0 (greedy) counts as 1.
+        chunk_size: tokens per chunk; peak memory is about ``chunk_size * V`` floats.
+
+    Returns:
+        ``(n,)`` float32 log-probs, differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"targets: expected {hidden.shape[0]} entries, got {targets.shape[0]}")
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = _HeadLogprobs.apply(hidden, weight, bias, targets, inv_t, chunk_size)
+    return out
+
+
+class LogprobModel(nn.Module):
+    """A causal LM that returns the log-probs of the trained tokens of a :class:`PackedBatch`.
+
+    Wrapping the whole computation (body and chunked head) in one module's ``forward`` is what
+    lets FSDP2 shard it: ``fully_shard`` on this module gathers the root parameters (embedding,
+    final norm, head) around the head computation too.
+
+    Args:
+        model: a transformers causal LM with a linear output embedding.
+        temperature: the engine's sampling temperature.
+        chunk_size: tokens per chunk of the head.
+        autocast_dtype: run the body under ``torch.autocast`` in this dtype (the head stays
+            float32); ``None`` runs it in the parameters' dtype.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        temperature: float,
+        chunk_size: int,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        self.autocast_dtype = autocast_dtype
+
+    def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` on a packed micro-batch."""
+        return self(
+            batch.input_ids,
+            batch.position_ids,
+            batch.attention_mask,
+            batch.pred_index,
+            batch.targets,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        pred_index: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs ``(n,)`` of ``targets``, and a zero scalar tied to every layer.
+
+        Adding the zero to a loss keeps every parameter in the backward graph even when the
+        micro-batch has no trained token, which distributed backward hooks rely on.
+        """
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise TypeError(f"output embeddings: expected nn.Linear, got {type(head).__name__}")
+        enabled = self.autocast_dtype is not None
+        dtype = self.autocast_dtype or torch.float32
+        with torch.autocast(input_ids.device.type, dtype=dtype, enabled=enabled):
+            hidden = self.model.base_model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+            ).last_hidden_state  # (1, N, H)
+        zero = hidden.sum() * 0.0 + head.weight.sum() * 0.0
+        picked = hidden[0].index_select(0, pred_index)  # (n, H)
+        logprobs = chunked_token_logprobs(
+            picked,
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+        )
+        return logprobs, zero

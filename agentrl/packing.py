@@ -1,0 +1,255 @@
+"""Training samples and sequence packing, for the learner.
+
+A :class:`TrainSample` is one sequence with its per-token loss mask, engine log-probs, weight
+versions and advantages.
+
+Packing: the sequences of a micro-batch are concatenated into one row with ``position_ids``
+restarting at 0 for every sequence, so no token is padding. Attention must not cross sequence
+borders: for ``sdpa`` and ``eager`` attention we pass an explicit document-causal 4D mask (token
+``q`` sees token ``k`` iff both belong to the same sequence and ``k <= q``); for every other
+implementation (``flash_attention_*``, ``flex_attention``, ...) we pass no mask and transformers
+derives the sequence borders from the restarting ``position_ids`` (the varlen path).
+
+Cost of the explicit mask: ``sdpa`` and ``eager`` attend over the whole packed row and mask
+afterwards, so attention costs grow with ``budget²`` rather than with the sum of the squared
+sequence lengths; on a CPU (and for small models, where attention dominates) a budget of 1-2k
+tokens is faster than 8k. Varlen kernels (``flash_attention_2``) have no such waste.
+
+Only the tokens that train (``loss_mask == 1``) are indexed as targets: :class:`PackedBatch`
+lists, for each, the row position whose hidden state predicts it, so the head never runs on
+prompt or observation tokens (:mod:`agentrl.logprobs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from agentrl.types import Trajectory
+
+# Attention implementations that take our explicit 4D mask; the others read position_ids.
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSample:
+    """One sequence to train on; every list has one entry per token."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    """1 on tokens the policy sampled; the first token must be 0."""
+    logprobs: list[float]
+    """The engine's log-prob of each sampled token (0.0 where ``loss_mask`` is 0)."""
+    versions: list[int]
+    """Weight version that sampled each token (-1 where ``loss_mask`` is 0)."""
+    advantages: list[float]
+    """Per-token advantage (read only where ``loss_mask`` is 1)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if n == 0:
+            raise ValueError("tokens: expected at least one token, got none")
+        for name in ("loss_mask", "logprobs", "versions", "advantages"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name}: expected {n} entries, got {len(getattr(self, name))}")
+        if self.loss_mask[0]:
+            raise ValueError("loss_mask: expected 0 for the first token (nothing predicts it)")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Number of tokens that train."""
+        return sum(1 for m in self.loss_mask if m)
+
+
+def samples_from_trajectories(
+    trajectories: Sequence[Trajectory], token_advantages: Sequence[torch.Tensor | Sequence[float]]
+) -> list[TrainSample]:
+    """Turn trajectories and their per-token advantages into :class:`TrainSample` records.
+
+    Args:
+        trajectories: episodes (``tokens``, ``loss_mask``, ``logprobs``, ``versions``).
+        token_advantages: one advantage per token of each trajectory.
+
+    Returns:
+        One sample per trajectory, in order.
+    """
+    if len(trajectories) != len(token_advantages):
+        raise ValueError(
+            f"token_advantages: expected {len(trajectories)} entries, got {len(token_advantages)}"
+        )
+    out = []
+    for traj, adv in zip(trajectories, token_advantages, strict=True):
+        values = adv.tolist() if isinstance(adv, torch.Tensor) else list(adv)
+        out.append(
+            TrainSample(
+                tokens=list(traj.tokens),
+                loss_mask=list(traj.loss_mask),
+                logprobs=list(traj.logprobs),
+                versions=list(traj.versions),
+                advantages=[float(v) for v in values],
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """One micro-batch: sequences packed into one row, plus where their trained tokens are.
+
+    ``n`` below is the number of trained (loss-masked) tokens in the micro-batch; they are
+    ordered by sequence, then by position.
+    """
+
+    input_ids: torch.Tensor  # (1, N) long
+    position_ids: torch.Tensor  # (1, N) long, restarting at 0 per sequence
+    attention_mask: torch.Tensor | None  # (1, 1, N, N) or None (see module docstring)
+    pred_index: torch.Tensor  # (n,) row position whose hidden state predicts each target
+    targets: torch.Tensor  # (n,) the sampled token ids
+    seq_index: torch.Tensor  # (n,) which sequence of the micro-batch each target is in
+    col_index: torch.Tensor  # (n,) rank of the target among its sequence's targets
+    num_seqs: int
+    width: int  # max number of targets in one sequence (at least 1)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens in the packed row (prompt and observation tokens included)."""
+        return int(self.input_ids.shape[1])
+
+    def to_padded(self, values: torch.Tensor) -> torch.Tensor:
+        """Spread per-target ``values`` (n,) into a ``(num_seqs, width)`` tensor, zeros elsewhere.
+
+        Differentiable; only trained tokens are kept, so a row holds one sequence's trained
+        tokens in order, which is all a sequence-aggregated loss needs.
+        """
+        out = values.new_zeros(self.num_seqs, self.width)
+        return out.index_put((self.seq_index, self.col_index), values)
+
+    def padded_mask(self) -> torch.Tensor:
+        """The ``(num_seqs, width)`` float mask of :meth:`to_padded`'s filled entries."""
+        ones = torch.ones(self.targets.shape[0], device=self.targets.device)
+        return self.to_padded(ones)
+
+
+def pack_sequences(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group sequences into micro-batches of at most ``budget`` tokens (first-fit decreasing).
+
+    A sequence longer than the budget gets a micro-batch of its own. Deterministic: ties keep
+    the input order.
+
+    Args:
+        lengths: token count of each sequence.
+        budget: token budget of a micro-batch.
+
+    Returns:
+        Lists of indices into ``lengths``, one list per micro-batch.
+    """
+    if budget < 1:
+        raise ValueError(f"budget: expected >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        for b, total in enumerate(used):
+            if total + lengths[i] <= budget:
+                bins[b].append(i)
+                used[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            used.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def document_causal_mask(
+    lengths: Sequence[int], attn_implementation: str, device: torch.device
+) -> torch.Tensor | None:
+    """The attention mask for a row packing sequences of ``lengths``, or ``None``.
+
+    ``None`` when one sequence fills the row (plain causal attention) or when the attention
+    implementation reads sequence borders from ``position_ids``. Otherwise ``(1, 1, N, N)``:
+    boolean (True = attend) for ``sdpa``, additive float32 for ``eager``.
+    """
+    if len(lengths) <= 1 or attn_implementation not in _MASKED_ATTENTION:
+        return None
+    doc = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(list(lengths), device=device)
+    )  # (N,)
+    n = doc.shape[0]
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    allowed = (doc[:, None] == doc[None, :]) & causal  # (N, N)
+    if attn_implementation == "eager":
+        neg = torch.finfo(torch.float32).min
+        zero = torch.zeros((), device=device)
+        return torch.where(allowed, zero, neg)[None, None]
+    return allowed[None, None]
+
+
+def build_packed_batch(
+    tokens: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    *,
+    attn_implementation: str,
+    device: torch.device,
+) -> PackedBatch:
+    """Pack sequences into one row and index their trained tokens.
+
+    Args:
+        tokens: token ids of each sequence.
+        loss_masks: 1 where a token trains, per sequence (same lengths as ``tokens``). The first
+            token of a sequence has no prediction and must be 0.
+        attn_implementation: the model's ``config._attn_implementation``.
+        device: where the tensors go.
+
+    Returns:
+        The packed micro-batch.
+    """
+    lengths = [len(t) for t in tokens]
+    pred: list[int] = []
+    seq: list[int] = []
+    col: list[int] = []
+    targets: list[int] = []
+    offset = 0
+    for s, (toks, mask) in enumerate(zip(tokens, loss_masks, strict=True)):
+        if mask and mask[0]:
+            raise ValueError("loss_mask: expected 0 for the first token (nothing predicts it)")
+        k = 0
+        for t in range(1, len(toks)):
+            if mask[t]:
+                pred.append(offset + t - 1)
+                targets.append(toks[t])
+                seq.append(s)
+                col.append(k)
+                k += 1
+        offset += len(toks)
+    flat = [tok for toks in tokens for tok in toks]
+    positions = [p for n in lengths for p in range(n)]
+
+    def _long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return PackedBatch(
+        input_ids=_long(flat)[None],
+        position_ids=_long(positions)[None],
+        attention_mask=document_causal_mask(lengths, attn_implementation, device),
+        pred_index=_long(pred),
+        targets=_long(targets),
+        seq_index=_long(seq),
+        col_index=_long(col),
+        num_seqs=len(tokens),
+        width=max([c + 1 for c in col], default=1),
+    )
+
+
+def masked_values(
+    values: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """Per-token ``values`` at the trained positions, in :class:`PackedBatch` target order."""
+    flat = [
+        v
+        for vals, mask in zip(values, loss_masks, strict=True)
+        for v, m in zip(vals, mask, strict=True)
+        if m
+    ]
+    return torch.tensor(flat, dtype=torch.float32, device=device)
