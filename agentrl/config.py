@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentrl.errors import ConfigError
 from agentrl.rollout import RolloutConfig
@@ -106,6 +106,26 @@ class TrainLoopConfig(_Section):
     """Save a resumable checkpoint every N steps (0: only at the end)."""
     max_wall_s: float | None = None
     """Stop after this much wall time (then evaluate and summarise)."""
+    max_staleness: int = Field(0, ge=0)
+    """Overlap rollouts with training (:mod:`agentrl.pipeline`): a token sampled by weight
+    version u may train the learner at version v only if ``v - u <= max_staleness``; 0 is the
+    synchronous loop."""
+    tokens_per_step: int | None = Field(None, ge=1)
+    """Overlapped loop: a step starts once complete groups hold this many response tokens
+    (``None``: once ``tasks_per_step`` groups are complete)."""
+    max_inflight_groups: int | None = Field(None, ge=1)
+    """Overlapped loop: groups generated at once (``None``: ``tasks_per_step``)."""
+
+    @model_validator(mode="after")
+    def _overlap_settings(self) -> TrainLoopConfig:
+        if self.max_staleness == 0:
+            for name in ("tokens_per_step", "max_inflight_groups"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}: only the overlapped loop uses it; expected max_staleness >= 1, "
+                        "got 0"
+                    )
+        return self
 
 
 class TrainConfig(_Section):

@@ -144,6 +144,15 @@ class Trainer:
             }
         )
         self.evaluator = RolloutEngine(self.client, self.tokenizer, eval_cfg, chat=self.chat)
+        self._tb: Any = None
+        if config.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ConfigError(
+                    "tensorboard: true needs the tensorboard package (pip install tensorboard)"
+                ) from e
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -346,6 +355,11 @@ class Trainer:
         rec = {"step": self.step, "time": time.time(), **metrics}
         with (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, self.step)
+            self._tb.flush()
         if self.on_step is not None:
             self.on_step(rec)
 
@@ -358,6 +372,8 @@ class Trainer:
             return await self._run(cfg, t_start)
         finally:
             await self.client.aclose()
+            if self._tb is not None:
+                self._tb.close()
 
     async def _run(self, cfg: Any, t_start: float) -> dict[str, Any]:
         resumed = self.resume and await self.load_checkpoint()
@@ -366,6 +382,7 @@ class Trainer:
         if resumed and state_path.exists():
             start = json.loads(state_path.read_text())
         else:
+            await self.sync_weights()  # the engine (maybe remote) serves the policy as version 0
             t = time.perf_counter()
             cold = await self.cold_start()
             start = await self.evaluate()
@@ -373,7 +390,11 @@ class Trainer:
             state_path.write_text(json.dumps(start))
             self._log({**cold, **start})
         t_rl = time.perf_counter()
-        while self.step < cfg.steps:
+        if cfg.max_staleness > 0:  # overlapped rollouts and training (partial rollouts)
+            from agentrl.pipeline import run_overlapped
+
+            await run_overlapped(self, t_start)
+        while cfg.max_staleness == 0 and self.step < cfg.steps:
             if cfg.max_wall_s is not None and time.perf_counter() - t_start > cfg.max_wall_s:
                 log.info("stopping at step %d: max_wall_s reached", self.step)
                 break

@@ -109,14 +109,22 @@ def test_bad_config_names_the_field(tmp_path: Path) -> None:
 def addition_run(run_dir: Path, shuffle: bool) -> dict:
     """The demo's task at a smaller scale: cold start to ~30%, then 12 GSPO-token steps."""
     return {
-        "run_dir": str(run_dir), "seed": 0,
-        "env": {"id": "math-v0",
-                "kwargs": {"prompt_template": "{question}=", "extract": "last_number"},
-                "num_train_tasks": 2048, "num_eval_tasks": 100},
-        "rollout": {"group_size": 8, "max_turns": 1, "max_new_tokens": 6,
-                    "max_total_tokens": 64},
-        "cold_start": {"steps": 400, "lr": 1e-3, "batch_size": 64, "target_success": 0.3,
-                       "check_every": 25},
+        "run_dir": str(run_dir),
+        "seed": 0,
+        "env": {
+            "id": "math-v0",
+            "kwargs": {"prompt_template": "{question}=", "extract": "last_number"},
+            "num_train_tasks": 2048,
+            "num_eval_tasks": 100,
+        },
+        "rollout": {"group_size": 8, "max_turns": 1, "max_new_tokens": 6, "max_total_tokens": 64},
+        "cold_start": {
+            "steps": 400,
+            "lr": 1e-3,
+            "batch_size": 64,
+            "target_success": 0.3,
+            "check_every": 25,
+        },
         "advantages": {"shuffle_rewards": shuffle},
         "learner": {"lr": 1e-4, "num_minibatches": 4},
         "train": {"steps": 12, "tasks_per_step": 32, "eval_every": 0},
@@ -135,3 +143,22 @@ def test_gains_come_from_the_reward(tmp_path: Path) -> None:
     assert gain >= 0.06, (real, control)
     assert control_gain <= 0.02, (real, control)
     assert gain - control_gain >= 0.15, (real, control)
+
+
+def test_trains_through_an_sglang_endpoint_with_tensorboard(tmp_path: Path, scratch_server) -> None:
+    # The HTTP path: rollouts from `agentrl serve`, weights pushed as safetensors + update.
+    import urllib.request
+
+    cfg = tiny_run(
+        tmp_path,
+        train={"steps": 2, "checkpoint_every": 0},
+        tensorboard=True,
+        inference={"endpoints": [scratch_server.url]},
+    )
+    summary = asyncio.run(Trainer(load_config(cfg)).run())
+    assert summary["steps"] == 2
+    info = json.loads(urllib.request.urlopen(f"{scratch_server.url}/model_info").read())
+    assert info["weight_version"] == "2"
+    assert (tmp_path / "weights" / "model.safetensors").exists()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

@@ -1,0 +1,79 @@
+"""The ``agentrl`` command: help, and ``rollout`` end to end (embedded and over HTTP)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from agentrl.types import Trajectory
+
+
+def agentrl(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    out = agentrl("--help")
+    assert out.returncode == 0
+    for cmd in ("serve", "train", "rollout", "report"):
+        assert cmd in out.stdout
+
+
+def test_unknown_argument_is_an_error() -> None:
+    out = agentrl("rollout", "arith-v0", "--out", "x.jsonl", "--bogus")
+    assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
+
+
+def check_rollout_output(path: Path, stdout: str, episodes: int) -> None:
+    lines = path.read_text().splitlines()
+    assert len(lines) == episodes
+    trajs = [Trajectory.model_validate(json.loads(ln)["trajectory"]) for ln in lines]
+    assert all(t.env_id == "guess-v0" and t.error is None for t in trajs)
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["rollout/episodes"] == episodes
+    assert "reward mean" in stdout
+
+
+def test_rollout_embedded(tmp_path: Path) -> None:
+    out_file = tmp_path / "out.jsonl"
+    out = agentrl(
+        "rollout",
+        "guess-v0",
+        "--num-tasks",
+        "3",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(out_file),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    check_rollout_output(out_file, out.stdout, 6)
+
+
+def test_rollout_against_a_server(tmp_path: Path, tiny_server) -> None:
+    out_file = tmp_path / "out.jsonl"
+    out = agentrl(
+        "rollout",
+        "guess-v0",
+        "--endpoint",
+        tiny_server.url,
+        "--num-tasks",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(out_file),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    check_rollout_output(out_file, out.stdout, 4)
