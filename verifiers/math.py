@@ -250,8 +250,14 @@ class _Worker:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         code = f"from agentrl.verifiers.math import _serve; _serve({theirs.fileno()})"
+        # -P and the parent's own sys.path: the worker imports the same agentrl as the parent,
+        # never a same-named folder in the current directory.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
+            [sys.executable, "-P", "-c", code],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         theirs.close()
         self.conn = Connection(ours.detach())
