@@ -7,11 +7,17 @@ Observations are appended as the chat template's delta with loss mask 0. A faili
 request is recorded on its trajectory and counted; it never stops the other episodes. Rewards
 come from ``env.step`` (verifiers run there, off the event loop), so scoring one episode overlaps
 with generating the others.
+
+Partial rollouts: :meth:`RolloutEngine.interrupt` closes a gate and aborts (or pauses) the
+requests in flight; each keeps the tokens it sampled with their log-probs and weight versions,
+and after :meth:`RolloutEngine.release` it continues from prompt + partial output on whatever
+weights the engine serves then. An episode can span several versions; every token keeps its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -19,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, Protocol, TextIO, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +62,8 @@ class RolloutConfig(BaseModel):
     """Base of per-request sampling seeds (reproducible runs); ``None`` for unseeded sampling."""
     success_threshold: float = 1.0
     """An episode whose final reward reaches this counts as a success."""
+    ignore_eos: bool = False
+    """Sample past EOS until ``max_new_tokens`` (fixed-length turns, for benchmarks and tests)."""
 
     def sampling(self) -> SamplingParams:
         """The per-turn sampling parameters (``max_new_tokens`` is lowered near the budget)."""
@@ -64,6 +72,7 @@ class RolloutConfig(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -108,6 +117,7 @@ class _Episode:
     finish_reason: str = ""
     error: str | None = None
     interruptions: int = 0
+    resumes: int = 0
     timing: Timing = field(default_factory=Timing)
 
     def append_observation(self, ids: list[int]) -> None:
@@ -130,6 +140,37 @@ class _Episode:
 
 
 EnvFactory = Callable[[], Env]
+
+
+class _Pausable(Protocol):
+    """A client with SGLang's pause/continue (``LocalEngine``, ``SGLangClient``)."""
+
+    async def pause(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> object: ...
+
+    async def continue_generation(self) -> None: ...
+
+
+def _pausable(client: object) -> _Pausable | None:
+    """``client`` if it can pause and continue, else ``None``.
+
+    Checked by attribute lookup rather than ``isinstance`` on a runtime protocol, which since
+    Python 3.12 ignores attributes that a wrapping client forwards through ``__getattr__``.
+    """
+    names = ("pause", "continue_generation")
+    if all(callable(getattr(client, name, None)) for name in names):
+        return cast(_Pausable, client)
+    return None
+
+
+def _attempt_seed(seed: int | None, attempt: int) -> int | None:
+    """The sampling seed of a turn's ``attempt``-th request (0: the turn's own seed).
+
+    A resumed request needs a fresh stream: ``seed + attempt`` would replay the next turn's.
+    """
+    if seed is None or attempt == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{attempt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31)
 
 
 class RolloutEngine:
@@ -158,7 +199,8 @@ class RolloutEngine:
         self._token_text: dict[int, str] = {}
         self._gate = asyncio.Event()
         self._gate.set()
-        self._epoch = 0
+        self._epoch = 0  # bumped by every interrupt(); a request of an older epoch resumes
+        self._paused = False
 
     def _text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -225,7 +267,7 @@ class RolloutEngine:
             finish_reason=ep.finish_reason,
             error=ep.error,
             timing=ep.timing,
-            info={"interruptions": ep.interruptions},
+            info={"interruptions": ep.interruptions, "resumes": ep.resumes},
         )
 
     async def _loop(
@@ -295,7 +337,9 @@ class RolloutEngine:
 
         A request cut off by :meth:`interrupt` keeps the tokens it sampled, with their log-probs
         and versions; after :meth:`release` it is re-sent as prompt + partial output under a
-        new rid, for the tokens left in its budget, so the turn spans several weight versions.
+        new rid (``<turn>.rN``: SGLang refuses a rid that is still open), for the tokens left in
+        its budget, so the turn spans several weight versions. Only an abort that an interrupt
+        caused resumes; any other abort ends the turn as ``abort``.
         """
         ids: list[int] = []
         logprobs: list[float] = []
@@ -305,11 +349,13 @@ class RolloutEngine:
             await self._gate.wait()  # no request starts while weights are being swapped
             epoch = self._epoch
             rid[0] = turn_id if attempt == 0 else f"{turn_id}.r{attempt}"
-            left = params.max_new_tokens - len(ids)
-            seed = None if params.seed is None else (params.seed + attempt) % (2**31)
             out = await self.client.generate(
                 ep.tokens + ids,
-                replace(params, max_new_tokens=left, seed=seed),
+                replace(
+                    params,
+                    max_new_tokens=params.max_new_tokens - len(ids),
+                    seed=_attempt_seed(params.seed, attempt),
+                ),
                 rid=rid[0],
                 session_id=session_id,
             )
@@ -318,13 +364,13 @@ class RolloutEngine:
             logprobs += out.logprobs
             versions += out.versions
             finish = out.finish_reason
-            interrupted = finish == "abort" and (self._epoch != epoch or not self._gate.is_set())
-            if not interrupted:
-                break
+            if finish != "abort" or self._epoch == epoch:
+                break  # done, or aborted by someone else (the server): not ours to resume
             ep.interruptions += 1
-            if len(ids) >= params.max_new_tokens:
+            if len(ids) >= params.max_new_tokens:  # cut exactly at its last token
                 finish = "length"
                 break
+            ep.resumes += bool(ids)  # a continuation, not a plain re-send
             attempt += 1
         return GenerateOutput(
             rid=turn_id,
@@ -341,16 +387,34 @@ class RolloutEngine:
     async def interrupt(self) -> None:
         """Cut off in-flight generation for a weight update (partial rollouts).
 
-        New requests wait; running ones are aborted and return what they sampled so far, which
-        the episodes keep. Call :meth:`release` once the engine serves the new weights.
+        New requests wait at a gate; running ones are aborted and return what they sampled so
+        far, which the episodes keep. A client that can pause (the embedded engine, SGLang) is
+        paused in ``abort`` mode, which SGLang repeats until no request holds the model, and
+        which makes a request still in transit wait for :meth:`release` instead of running on
+        the old weights; any other client gets ``abort(None)``. Push the new weights, then
+        call :meth:`release`.
         """
         self._epoch += 1
         self._gate.clear()
-        await self.client.abort(None)
+        pausable = _pausable(self.client)
+        if pausable is not None:
+            self._paused = True  # (before the call: a pause that half failed is undone too)
+            await pausable.pause("abort")
+        else:
+            await self.client.abort(None)
 
-    def release(self) -> None:
-        """Let generation continue (on the new weights) after :meth:`interrupt`."""
-        self._gate.set()
+    async def release(self) -> None:
+        """Let generation continue (on the new weights) after :meth:`interrupt`.
+
+        The gate opens even if ``continue_generation`` fails (the error propagates).
+        """
+        pausable = _pausable(self.client)
+        try:
+            if self._paused and pausable is not None:
+                await pausable.continue_generation()
+        finally:
+            self._paused = False
+            self._gate.set()
 
     async def _abort_quietly(self, rid: str) -> None:
         try:

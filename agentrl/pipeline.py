@@ -1,0 +1,309 @@
+"""The overlapped training loop: rollouts for step k+1 are generated while step k trains.
+
+``Trainer.run`` uses it when ``train.max_staleness >= 1`` (0 keeps the synchronous loop).
+
+Design:
+
+- **Continuous production.** Up to ``max_inflight_groups`` groups (G episodes of one task each)
+  run at once; the moment one completes it goes to a FIFO buffer and the next task's group
+  starts, so generation never waits for the slowest episode of a batch. Tasks come from the
+  trainer's seeded cursor and a task's episode seeds derive from its position in that stream,
+  exactly as in the synchronous loop.
+- **Batch assembly.** A step starts once the buffer holds ``tokens_per_step`` response tokens of
+  complete groups (or ``tasks_per_step`` groups when no token budget is set) and takes the oldest
+  groups up to that budget; episodes still running carry over to a later step. The learner runs
+  in a worker thread, so the event loop keeps serving rollouts while it trains.
+- **Partial rollouts.** After the update: ``rollout.interrupt()`` (in-flight requests come back
+  with what they sampled), push weights as version ``v + 1``, ``rollout.release()``; every
+  interrupted turn resumes from prompt + partial output on the new weights, and each token
+  keeps the version that sampled it. The learner uses each token's recorded log-prob as its
+  old log-prob, i.e. the true behaviour policy's.
+- **Staleness rule (drop).** The learner at version ``v`` trains on a group only if every token
+  its (non-failed) episodes sampled has version ``>= v - max_staleness``. An older group is
+  dropped, never trained and not re-run: a task whose episodes are long enough to outlive the
+  window would be dropped again while holding a slot. Drops are counted
+  (``staleness/dropped_groups``); a long-tailed workload needs a ``max_staleness`` that covers
+  the number of steps its longest episodes span (see the benchmark).
+- **Admission.** No new group starts while the buffer already holds ``max(1, max_staleness - 1)``
+  steps' worth of data: it could only train later than the staleness window allows.
+- **Checkpoints** record the task cursor, which is past the groups in flight and in the buffer;
+  a resumed run skips those tasks (a crash loses at most the episodes in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agentrl.packing import samples_from_trajectories
+from agentrl.rollout import rollout_metrics
+from agentrl.types import Group, Task
+
+if TYPE_CHECKING:
+    from agentrl.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """A complete group in the buffer."""
+
+    index: int  # position in the task stream (the synchronous loop's task order)
+    group: Group
+    tokens: int  # response tokens of its non-failed episodes
+    oldest: int | None  # oldest version that sampled one of those tokens (None: none sampled)
+
+
+def _ready(index: int, group: Group) -> _Ready:
+    versions = [
+        v
+        for t in group.trajectories
+        if not t.failed
+        for m, v in zip(t.loss_mask, t.versions, strict=True)
+        if m
+    ]
+    return _Ready(index, group, len(versions), min(versions) if versions else None)
+
+
+@dataclass(slots=True)
+class PipelineStats:
+    """Where the groups the pipeline started went; ``started`` is the sum of the others."""
+
+    started: int = 0
+    trained: int = 0
+    """Taken into a step's batch (including groups that carried no signal)."""
+    dropped: int = 0
+    """Too stale to train (the staleness rule)."""
+    unfinished: int = 0
+    """Still running or buffered when the pipeline stopped."""
+
+
+def staleness_metrics(
+    groups: Sequence[Group], version: int, max_staleness: int
+) -> dict[str, float]:
+    """Per-batch staleness figures for a learner at ``version`` (``staleness/...``).
+
+    ``hist_s`` is the fraction of sampled tokens that are ``s`` versions older than the learner
+    (``s = 0 .. max_staleness``); ``old_token_frac`` the fraction with ``s > 0``.
+    """
+    trajs = [t for g in groups for t in g.trajectories if not t.failed]
+    ages = [version - v for t in trajs for m, v in zip(t.loss_mask, t.versions, strict=True) if m]
+    n = max(len(ages), 1)
+    out = {
+        "staleness/version_spread": float(max(ages) - min(ages)) if ages else 0.0,
+        "staleness/max": float(max(ages, default=0)),
+        "staleness/old_token_frac": sum(a > 0 for a in ages) / n,
+        "staleness/interrupted_episodes": float(
+            sum(t.info.get("interruptions", 0) > 0 for t in trajs)
+        ),
+        "staleness/resumed_episodes": float(sum(t.info.get("resumes", 0) > 0 for t in trajs)),
+    }
+    for s in range(max_staleness + 1):
+        out[f"staleness/hist_{s}"] = sum(a == s for a in ages) / n
+    return out
+
+
+class Pipeline:
+    """Overlapped rollouts and training for a :class:`~agentrl.trainer.Trainer`.
+
+    Args:
+        trainer: supplies the tasks, the rollout engine, the learner and the weight sync; its
+            ``config.train`` sets ``max_staleness`` (at least 1), ``tokens_per_step``,
+            ``tasks_per_step`` and ``max_inflight_groups``.
+
+    Raises:
+        ValueError: ``max_staleness`` is 0 (that is the synchronous loop).
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        cfg = trainer.config.train
+        if cfg.max_staleness < 1:
+            raise ValueError(f"max_staleness: expected >= 1, got {cfg.max_staleness}")
+        self.trainer = trainer
+        self.max_staleness = cfg.max_staleness
+        self.tokens_per_step = cfg.tokens_per_step
+        self.max_inflight = cfg.max_inflight_groups or cfg.tasks_per_step
+        budget = cfg.tokens_per_step or cfg.tasks_per_step
+        self._budget = budget  # in tokens, or in groups without a token budget
+        self._buffer_cap = max(1, cfg.max_staleness - 1) * budget
+        self.stats = PipelineStats()
+        self._tasks: deque[tuple[int, Task]] = deque()
+        self._buffer: deque[_Ready] = deque()
+        self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._arrived = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._closing = False
+        self._dropped = 0  # since the last step
+
+    async def steps(self) -> AsyncGenerator[dict[str, float], None]:
+        """Run the loop, yielding each step's metrics once its new weights are live.
+
+        Runs until closed (use ``contextlib.aclosing``); closing stops generation at once.
+        """
+        await self.trainer.sync_weights()  # the engine serves exactly the learner's version
+        self._fill()
+        try:
+            while True:
+                yield await self._step()
+        finally:
+            await self._shutdown()
+
+    # ------------------------------------------------------------------ production
+
+    def _next_task(self) -> tuple[int, Task]:
+        if not self._tasks:
+            start = self.trainer.cursor
+            tasks = self.trainer.next_tasks()
+            self._tasks.extend(zip(range(start, start + len(tasks)), tasks, strict=True))
+        return self._tasks.popleft()
+
+    def _buffered(self) -> int:
+        if self.tokens_per_step is None:
+            return len(self._buffer)
+        return sum(r.tokens for r in self._buffer)
+
+    def _fill(self) -> None:
+        """Start groups while there is room (in flight and in the buffer)."""
+        while (
+            not self._closing
+            and len(self._inflight) < self.max_inflight
+            and self._buffered() < self._buffer_cap
+        ):
+            index, task = self._next_task()
+            self.stats.started += 1
+            self._inflight[index] = asyncio.create_task(self._run_group(index, task))
+
+    async def _run_group(self, index: int, task: Task) -> None:
+        t = self.trainer
+        try:
+            (group,) = await t.rollout.run_groups(
+                t.make_env, [task], env_id=t.config.env.id, seed_offset=index
+            )
+        except Exception as e:  # episodes record their own errors: this is a bug, stop
+            self._failure = e
+        else:
+            self._buffer.append(_ready(index, group))
+            del self._inflight[index]
+            self._fill()
+        self._arrived.set()
+
+    # ------------------------------------------------------------------ consumption
+
+    def _drop_stale(self) -> None:
+        floor = self.trainer.step - self.max_staleness
+        fresh = [r for r in self._buffer if r.oldest is None or r.oldest >= floor]
+        dropped = len(self._buffer) - len(fresh)
+        if dropped:
+            log.info("dropping %d group(s) with tokens older than version %d", dropped, floor)
+            self._buffer = deque(fresh)
+            self._dropped += dropped
+            self.stats.dropped += dropped
+            self._fill()
+
+    async def _next_batch(self) -> list[_Ready]:
+        """Wait until the buffer holds a step's budget; take the oldest groups up to it."""
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            self._drop_stale()
+            if self._buffered() >= self._budget:
+                break
+            self._arrived.clear()
+            await self._arrived.wait()
+        batch: list[_Ready] = []
+        taken = 0
+        while taken < self._budget:
+            r = self._buffer.popleft()
+            batch.append(r)
+            taken += 1 if self.tokens_per_step is None else r.tokens
+        self.stats.trained += len(batch)
+        self._fill()
+        return batch
+
+    async def _step(self) -> dict[str, float]:
+        t = self.trainer
+        t0 = time.perf_counter()
+        inflight = len(self._inflight)
+        batch = sorted(await self._next_batch(), key=lambda r: r.index)  # task order
+        t_wait = time.perf_counter() - t0
+        groups = [r.group for r in batch]
+        metrics = rollout_metrics(groups, success_threshold=t.config.rollout.success_threshold)
+        metrics.update(staleness_metrics(groups, t.step, self.max_staleness))
+        metrics["staleness/dropped_groups"], self._dropped = float(self._dropped), 0
+        metrics["rollout/response_tokens"] = float(sum(r.tokens for r in batch))
+        metrics["pipeline/inflight_groups"] = float(inflight)  # when the step began to wait
+        metrics["pipeline/buffered_groups"] = float(len(self._buffer))  # left after taking
+        if t.config.advantages.shuffle_rewards:
+            t._shuffle_rewards(groups)
+        trajs, advs, skipped = t._training_batch(groups)
+        metrics["rollout/zero_signal_groups"] = float(skipped)
+        t1 = time.perf_counter()
+        if trajs:
+            samples = samples_from_trajectories(trajs, advs)
+            metrics.update(await asyncio.to_thread(t.learner.step, samples))
+        t_train = time.perf_counter() - t1
+        t.step += 1
+        try:
+            await t.rollout.interrupt()
+            metrics["time/sync_s"] = await t.sync_weights()
+        finally:
+            await t.rollout.release()
+        t._write_trajectories(trajs, advs)
+        metrics.update(
+            {
+                "time/wait_s": t_wait,
+                "time/train_s": t_train,
+                "time/step_s": time.perf_counter() - t0,
+            }
+        )
+        return metrics
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        pending = list(self._inflight.values())
+        try:
+            await self.trainer.rollout.interrupt()  # stop generating at once
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self.trainer.rollout.release()
+        # cancelled groups stay in _inflight; one that finished meanwhile moved to the buffer
+        self.stats.unfinished = len(self._inflight) + len(self._buffer)
+        self._inflight.clear()
+        self._buffer.clear()
+
+
+async def run_overlapped(trainer: Trainer, t_start: float) -> None:
+    """Train ``trainer`` with the overlapped loop up to ``train.steps`` (or ``max_wall_s``).
+
+    Evaluation, logging and checkpoints follow the synchronous loop's schedule.
+
+    Args:
+        trainer: a trainer whose ``config.train.max_staleness`` is at least 1.
+        t_start: ``time.perf_counter()`` at the start of the run (for ``max_wall_s``).
+    """
+    cfg = trainer.config.train
+    if trainer.step >= cfg.steps:
+        return
+    pipeline = Pipeline(trainer)
+    async with aclosing(pipeline.steps()) as steps:
+        async for metrics in steps:
+            if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps:
+                metrics.update(await trainer.evaluate())
+            trainer._log(metrics)
+            if cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0:
+                trainer.save_checkpoint()
+            if trainer.step >= cfg.steps:
+                break
+            if cfg.max_wall_s is not None and time.perf_counter() - t_start > cfg.max_wall_s:
+                log.info("stopping at step %d: max_wall_s reached", trainer.step)
+                break
+    log.info("overlapped loop: %s", pipeline.stats)

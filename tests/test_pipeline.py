@@ -1,0 +1,172 @@
+"""The overlapped loop (``agentrl.pipeline``) on the real tiny model and the embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agentrl.config import load_config
+from agentrl.env import Env, StepResult
+from agentrl.pipeline import Pipeline, staleness_metrics
+from agentrl.trainer import Trainer
+from agentrl.types import Group, Message, Task, Trajectory
+
+TIMING = ("time", "time/", "perf/", "cold_start_s", "rollout/generate_s")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def run_config(run_dir: Path, **train: Any) -> dict:
+    return {
+        "run_dir": str(run_dir),
+        "seed": 3,
+        "env": {
+            "id": "arith-v0",
+            "task_kwargs": {"digits": 1},
+            "num_train_tasks": 256,
+            "num_eval_tasks": 8,
+        },
+        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
+        "learner": {"lr": 1e-4, "num_minibatches": 2},
+        "train": {"steps": 3, "tasks_per_step": 6, "eval_every": 2, **train},
+    }
+
+
+def records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(ln).items() if not k.startswith(TIMING)} for ln in lines]
+
+
+def test_max_staleness_zero_is_the_synchronous_loop(tmp_path: Path) -> None:
+    asyncio.run(Trainer(load_config(run_config(tmp_path / "sync"))).run())
+    asyncio.run(Trainer(load_config(run_config(tmp_path / "zero", max_staleness=0))).run())
+    sync, zero = records(tmp_path / "sync"), records(tmp_path / "zero")
+    assert [r["step"] for r in zero] == [0, 1, 2, 3, 3]
+    assert zero == sync
+    assert not any(k.startswith("staleness/") for r in zero for k in r)
+
+
+def test_overlapped_run_reports_staleness(tmp_path: Path) -> None:
+    summary = asyncio.run(Trainer(load_config(run_config(tmp_path, max_staleness=1))).run())
+    assert summary["steps"] == 3
+    steps = [r for r in records(tmp_path) if "rollout/episodes" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["rollout/episodes"] == 24  # tasks_per_step complete groups of 4
+        assert r["staleness/hist_0"] + r["staleness/hist_1"] == pytest.approx(1.0)
+        assert r["staleness/max"] <= 1 and r["staleness/version_spread"] <= 1
+        assert r["staleness/old_token_frac"] == pytest.approx(r["staleness/hist_1"])
+        assert r["staleness/dropped_groups"] >= 0
+        assert r["staleness/resumed_episodes"] <= r["staleness/interrupted_episodes"] <= 24
+    # step 2's batch was generated (at least partly) while step 1 trained: overlap happened
+    assert sum(r["staleness/old_token_frac"] for r in steps) > 0
+    # every trained token obeys the bound: a step that ends at version s trained at s - 1
+    lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
+    assert lines
+    for rec in map(json.loads, lines):
+        t = rec["trajectory"]
+        sampled = [v for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m]
+        assert min(sampled) >= rec["step"] - 2 and max(sampled) <= rec["step"] - 1
+
+
+class Turns(Env):
+    """Ends after ``task.data["turns"]`` assistant turns; says "go on" in between."""
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
+        self.left = int(task.data["turns"])
+        return [Message(role="user", content=task.prompt)], {}
+
+    async def step(self, action: str) -> StepResult:
+        self.left -= 1
+        if self.left == 0:
+            return StepResult(reward=float(action.count("e") % 2), terminated=True)
+        return StepResult([Message(role="user", content="go on")])
+
+
+def test_every_group_is_trained_dropped_or_unfinished(tmp_path: Path) -> None:
+    """A long group outlives the staleness window and is dropped; nothing is lost or repeated."""
+    cfg = run_config(tmp_path, max_staleness=1, tasks_per_step=2, max_inflight_groups=3)
+    cfg["rollout"] = {
+        "group_size": 2,
+        "max_turns": 16,
+        "max_new_tokens": 6,
+        "max_total_tokens": 600,
+        "ignore_eos": True,
+    }
+    trainer = Trainer(load_config(cfg))
+    # task 1 takes 16 turns, the others 1: its group spans many weight versions
+    trainer.train_tasks = [
+        Task(id=f"t{i}", prompt=f"Say {i}.", data={"turns": 16 if i == 1 else 1})
+        for i in range(200)
+    ]
+    trainer.make_env = Turns  # type: ignore[method-assign]
+    trained: list[Group] = []
+    training_batch = trainer._training_batch
+
+    def spy(groups: list[Group]) -> Any:
+        trained.extend(groups)
+        return training_batch(groups)
+
+    trainer._training_batch = spy  # type: ignore[method-assign]
+    pipeline = Pipeline(trainer)
+
+    async def run() -> list[dict[str, float]]:
+        out = []
+        async with aclosing(pipeline.steps()) as steps:
+            async for metrics in steps:
+                out.append(metrics)
+                if len(out) == 12:
+                    break
+        return out
+
+    metrics = asyncio.run(run())
+    stats = pipeline.stats
+    assert stats.started == stats.trained + stats.dropped + stats.unfinished
+    assert stats.trained == len(trained) == 24
+    assert stats.dropped == sum(m["staleness/dropped_groups"] for m in metrics) >= 1
+    ids = [g.task.id for g in trained]
+    assert len(set(ids)) == len(ids) and "t1" not in ids  # the long group never trained
+    for g in trained:
+        assert [t.group_index for t in g.trajectories] == [0, 1]
+        assert all(not t.failed for t in g.trajectories)
+    for step, m in enumerate(metrics):
+        assert m["staleness/max"] <= 1, (step, m)
+    assert trainer.step == 12 and trainer.client.weight_version == 12  # type: ignore[attr-defined]
+    assert not trainer.client.paused  # type: ignore[attr-defined]
+
+
+def test_staleness_metrics_by_hand() -> None:
+    def traj(versions: list[int], **info: int) -> Trajectory:
+        n = len(versions)
+        return Trajectory(
+            task_id="x",
+            env_id="e",
+            tokens=[1] * (n + 1),
+            loss_mask=[0] + [1] * n,
+            logprobs=[0.0] + [-1.0] * n,
+            versions=[-1, *versions],
+            info=info,
+        )
+
+    task = Task(id="x", prompt="p")
+    groups = [
+        Group(task=task, trajectories=[traj([3, 3, 4], interruptions=1, resumes=1)]),
+        Group(task=task, trajectories=[traj([5, 5, 5], interruptions=2), traj([4])]),
+    ]
+    m = staleness_metrics(groups, version=5, max_staleness=2)
+    # ages of the 7 sampled tokens: 2 2 1 | 0 0 0 | 1
+    assert m["staleness/hist_0"] == pytest.approx(3 / 7)
+    assert m["staleness/hist_1"] == pytest.approx(2 / 7)
+    assert m["staleness/hist_2"] == pytest.approx(2 / 7)
+    assert m["staleness/old_token_frac"] == pytest.approx(4 / 7)
+    assert m["staleness/version_spread"] == 2 and m["staleness/max"] == 2
+    assert m["staleness/interrupted_episodes"] == 2 and m["staleness/resumed_episodes"] == 1
