@@ -51,6 +51,22 @@ THINKING_CHAT_TEMPLATE = (
 )
 
 
+# Qwen3-0.6B's architecture (596M parameters), for GPU benchmarks built from config with random
+# weights: no download.
+QWEN3_0_6B_SHAPE: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+)
+
+
 def _char_vocab() -> list[str]:
     chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
     return SPECIAL_TOKENS + chars + ["<unk>"]

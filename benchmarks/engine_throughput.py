@@ -29,27 +29,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
-from agentrl.tiny import build_tiny
+from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny
 
 
 def build_model(name: str, device: str) -> tuple[Any, Any]:
     if name == "tiny":
         model, tokenizer = build_tiny()
         return model.to(device), tokenizer
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-        eos_token_id=151645,
-        pad_token_id=151643,
-    )
+    config = Qwen3Config(**QWEN3_0_6B_SHAPE, eos_token_id=151645, pad_token_id=151643)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     torch.manual_seed(0)
     with torch.device(device):

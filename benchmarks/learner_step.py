@@ -43,20 +43,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.logprobs import LogprobModel
 from agentrl.packing import build_packed_batch, pack_sequences
-from agentrl.tiny import build_tiny_model
+from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-    rope_theta=1e6,
-)
+QWEN3_06B = QWEN3_0_6B_SHAPE
 # per model: (sequences, prompt tokens, response min, response max, micro-batch tokens)
 SHAPES = {
     "tiny": (32, 64, 32, 192, 2048),
