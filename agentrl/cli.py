@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from agentrl import __version__
+from agentrl.errors import ConfigError
 from agentrl.jobs import add_rollout, add_train
 from agentrl.report import add_report_command
 
@@ -94,7 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ConfigError as e:  # a bad config or argument: say which field, no traceback
+        print(f"agentrl: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

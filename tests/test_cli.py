@@ -77,3 +77,28 @@ def test_rollout_against_a_server(tmp_path: Path, tiny_server) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     check_rollout_output(out_file, out.stdout, 4)
+
+
+def test_train_from_a_config_file_with_overrides(tmp_path: Path) -> None:
+    config = Path(__file__).parents[1] / "recipes" / "configs" / "arith-tiny.toml"
+    out = agentrl(
+        "train",
+        str(config),
+        f"--run_dir={tmp_path}",
+        "--train.steps=1",
+        "--cold_start.steps=5",
+        "--env.num_eval_tasks=8",
+        "--rollout.group_size=2",
+        "--train.tasks_per_step=4",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 1 and "held-out success at end" in out.stdout
+    assert "steps: 1" in (tmp_path / "config.yaml").read_text()
+
+
+def test_train_rejects_a_typo_naming_the_field(tmp_path: Path) -> None:
+    config = Path(__file__).parents[1] / "recipes" / "configs" / "arith-tiny.toml"
+    out = agentrl("train", str(config), "--learner.lr=1e-4", "--train.stepz=3")
+    assert out.returncode == 2 and "train.stepz" in out.stderr
+    assert "Traceback" not in out.stderr
