@@ -43,6 +43,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,6 +64,7 @@ from agentrl.distributed import StepStats, equalize_counts, gather_dict, rank_sh
 from agentrl.errors import ConfigError
 from agentrl.logprobs import LogprobModel
 from agentrl.losses import get_loss, kl_to_reference
+from agentrl.packed_body import PackedBody, unsupported_reason
 from agentrl.packing import (
     PackedBatch,
     TrainSample,
@@ -77,6 +79,29 @@ __all__ = ["Learner", "LearnerConfig", "TrainSample", "samples_from_trajectories
 logger = logging.getLogger(__name__)
 
 _EMPTY = TrainSample([0], [0], [0.0], [-1], [0.0])  # what a rank with no sequence left runs
+
+
+@dataclass(frozen=True, slots=True)
+class _Micro:
+    """A micro-batch's device tensors: the packed row, engine log-probs and advantages."""
+
+    batch: PackedBatch
+    engine: torch.Tensor  # (n,) per trained token
+    advantages: torch.Tensor  # (n,)
+
+
+class _Prepared:
+    """Micro-batches of one step, built on first use and kept for the step's other passes."""
+
+    def __init__(self, learner: Learner, samples: Sequence[TrainSample]) -> None:
+        self.learner, self.samples = learner, samples
+        self.built: dict[tuple[int, ...], _Micro] = {}
+
+    def get(self, micro: list[int]) -> _Micro:
+        key = tuple(micro)
+        if key not in self.built:
+            self.built[key] = self.learner._build(self.samples, micro)
+        return self.built[key]
 
 
 class LearnerConfig(BaseModel):
@@ -118,6 +143,21 @@ class LearnerConfig(BaseModel):
     """Compute dtype of the model body (``bfloat16``: autocast, float32 master weights)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory)."""
+    checkpoint_layers: int | None = Field(None, ge=0)
+    """Packed body only: recompute the activations of this many decoder layers (the first
+    ones), trading speed for memory layer by layer; ``None`` follows ``gradient_checkpointing``
+    (all layers or none)."""
+    body: Literal["auto", "transformers", "packed"] = "auto"
+    """How the model body runs on a packed micro-batch: ``transformers`` (its own forward),
+    ``packed`` (:mod:`agentrl.packed_body`: varlen attention, fusable layers; Qwen3, Qwen2,
+    Llama, one process) or ``auto`` (packed on CUDA where supported, else transformers)."""
+    compile: bool = False
+    """``torch.compile`` the packed body's per-layer functions (fused norms, rotary, SwiGLU,
+    residual adds) and the head's log-softmax and its gradient (one pass over the logits); the
+    first micro-batches pay the compile time."""
+    head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);
+    ``auto`` follows ``dtype``."""
     seed: int = 0
     """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
 
@@ -177,7 +217,15 @@ class Learner:
         self.architecture = type(model).__name__  # before FSDP renames the class
         self._attn = str(model.config._attn_implementation)
         nn.Module.to(model, torch.float32)  # float32 master weights
-        if config.gradient_checkpointing:  # transformers 5 renamed it
+        self.body = self._choose_body(model)
+        if self.body == "packed":
+            self._attn = "packed"  # no mask: the packed body reads the sequence lengths
+        elif config.checkpoint_layers:
+            raise ConfigError(
+                "checkpoint_layers: expected body='packed' (transformers checkpoints all layers or "
+                f"none; use gradient_checkpointing), got body={config.body!r}"
+            )
+        elif config.gradient_checkpointing:  # transformers 5 renamed it
             enable = getattr(model, "activation_checkpointing_enable", None)
             (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
         self.module = self._wrap(model)
@@ -200,19 +248,48 @@ class Learner:
         all samples when old log-probs are recomputed)."""
         self.optimizer = self._make_optimizer()
 
+    def _choose_body(self, model: PreTrainedModel) -> str:
+        """``packed`` or ``transformers``, from ``config.body`` and what can run here."""
+        wanted = self.config.body
+        if wanted == "transformers":
+            return wanted
+        reason = unsupported_reason(model)
+        if reason is None and self.world_size > 1:
+            reason = "FSDP (more than one rank)"
+        if wanted == "packed" and reason is not None:
+            raise ConfigError(f"body: 'packed' does not support {reason}; use body='transformers'")
+        if wanted == "auto" and (reason is not None or self.device.type != "cuda"):
+            return "transformers"
+        return "packed"
+
     def _wrap(self, model: PreTrainedModel) -> LogprobModel:
-        autocast = torch.bfloat16 if self.config.dtype == "bfloat16" else None
+        c = self.config
+        autocast = torch.bfloat16 if c.dtype == "bfloat16" else None
+        head = c.dtype if c.head_dtype == "auto" else c.head_dtype
+        body = None
+        if self.body == "packed":
+            layers = c.checkpoint_layers
+            if layers is None:
+                layers = model.config.num_hidden_layers if c.gradient_checkpointing else 0
+            body = PackedBody(model, compile=c.compile, checkpoint_layers=layers)
         return LogprobModel(
             model,
-            temperature=self.config.temperature,
-            chunk_size=self.config.logprob_chunk_size,
+            temperature=c.temperature,
+            chunk_size=c.logprob_chunk_size,
             autocast_dtype=autocast,
+            head_dtype=getattr(torch, head),
+            fused_head=c.compile,
+            body=body,
         )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        # one fused kernel per step on CUDA (same update as the foreach implementation)
+        fused = self.device.type == "cuda" and self.world_size == 1
+        return torch.optim.AdamW(
+            params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay, fused=fused or None
+        )
 
     def reset_optimizer(self) -> None:
         """Start AdamW afresh (moments and step counts), e.g. after a supervised cold start."""
@@ -235,19 +312,18 @@ class Learner:
             raise ValueError("samples: expected at least one sample, got none")
         t0 = time.perf_counter()
         minibatches, micro = self._plan(samples)
+        prepared = self._prepare(samples, micro)
         stats = StepStats()
         old_trainer: dict[int, torch.Tensor] | None = None
         if self.config.recompute_old_logprobs:
-            old_trainer = self._recompute(samples, micro)
+            old_trainer = self._recompute(samples, micro, prepared)
             stats.extreme("perf/recompute_s", time.perf_counter() - t0, high=True)
         first: dict[int, torch.Tensor] = {}
         self.module.train()
         for indices, micro_k in zip(minibatches, micro, strict=True):
             num_seqs = max(1, sum(1 for i in indices if samples[i].num_loss_tokens))
             for m in micro_k:
-                self._micro_step(
-                    samples, m, num_seqs, old_trainer, stats, first
-                )
+                self._micro_step(samples, m, prepared, num_seqs, old_trainer, stats, first)
             self._optimizer_step(stats)
         pre_update = old_trainer if old_trainer is not None else first
         self._record_trainer_logprobs(samples, pre_update, set(minibatches[0]), stats)
@@ -278,18 +354,32 @@ class Learner:
         equalize_counts(micro, self.device)
         return minibatches, micro
 
-    def _forward(
-        self, module: LogprobModel, samples: Sequence[TrainSample], micro: list[int]
-    ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+    def _build(self, samples: Sequence[TrainSample], micro: list[int]) -> _Micro:
         sel = [samples[i] for i in micro] or [_EMPTY]
+        masks = [s.loss_mask for s in sel]
         batch = build_packed_batch(
-            [s.tokens for s in sel],
-            [s.loss_mask for s in sel],
-            attn_implementation=self._attn,
-            device=self.device,
+            [s.tokens for s in sel], masks, attn_implementation=self._attn, device=self.device
         )
-        logprobs, zero = module.run(batch)
-        return batch, logprobs, zero
+        engine = masked_values([s.logprobs for s in sel], masks, self.device)  # (n,)
+        adv = masked_values([s.advantages for s in sel], masks, self.device)  # (n,)
+        return _Micro(batch, engine, adv)
+
+    def _prepare(self, samples: Sequence[TrainSample], micro: list[list[list[int]]]) -> _Prepared:
+        """A lazy cache of the step's micro-batches (device tensors), built on first use.
+
+        Built just before its forward, a micro-batch's host-side assembly overlaps the GPU's
+        backward pass of the previous one (kernels are queued asynchronously); the recompute
+        pass and the update share each build.
+        """
+        return _Prepared(self, samples)
+
+    @staticmethod
+    def _forward(
+        module: LogprobModel, prepared: _Prepared, micro: list[int]
+    ) -> tuple[_Micro, torch.Tensor, torch.Tensor]:
+        m = prepared.get(micro)
+        logprobs, zero = module.run(m.batch)
+        return m, logprobs, zero
 
     @staticmethod
     def _split(
@@ -300,13 +390,16 @@ class Learner:
 
     @torch.no_grad()
     def _recompute(
-        self, samples: Sequence[TrainSample], micro: list[list[list[int]]]
+        self,
+        samples: Sequence[TrainSample],
+        micro: list[list[list[int]]],
+        prepared: _Prepared,
     ) -> dict[int, torch.Tensor]:
         """The trainer's log-probs of every sample this rank trains on, before any update."""
         self.module.eval()
         out: dict[int, torch.Tensor] = {}
         for m in (m for micro_k in micro for m in micro_k):
-            _, logprobs, _ = self._forward(self.module, samples, m)
+            _, logprobs, _ = self._forward(self.module, prepared, m)
             out.update(self._split(samples, m, logprobs))
         return out
 
@@ -314,19 +407,17 @@ class Learner:
         self,
         samples: Sequence[TrainSample],
         micro: list[int],
+        prepared: _Prepared,
         num_seqs: int,
         old_trainer: dict[int, torch.Tensor] | None,
         stats: StepStats,
         first: dict[int, torch.Tensor] | None,
     ) -> None:
-        batch, logprobs, zero = self._forward(self.module, samples, micro)
+        m, logprobs, zero = self._forward(self.module, prepared, micro)
+        batch, engine, adv = m.batch, m.engine, m.advantages
         if batch.targets.numel() == 0:  # nothing trains here; keep the collectives in step
             zero.backward()
             return
-        sel = [samples[i] for i in micro]
-        masks = [s.loss_mask for s in sel]
-        engine = masked_values([s.logprobs for s in sel], masks, self.device)  # (n,)
-        adv = masked_values([s.advantages for s in sel], masks, self.device)  # (n,)
         if first is not None:
             first.update(self._split(samples, micro, logprobs))
         old = torch.cat([old_trainer[i] for i in micro]) if old_trainer is not None else engine
@@ -415,9 +506,11 @@ class Learner:
     ) -> None:
         """Mismatch metrics on the first mini-batch; ``last_trainer_logprobs`` for the viewer."""
         local: dict[int, list[float]] = {}
-        for i, lp in pre_update.items():
+        keys = list(pre_update)
+        host = torch.cat([pre_update[i].float() for i in keys]).cpu() if keys else None
+        on_host = host.split([pre_update[i].numel() for i in keys]) if host is not None else []
+        for i, trainer in zip(keys, on_host, strict=True):  # one device-to-host copy in all
             s = samples[i]
-            trainer = lp.float().cpu()
             values = iter(trainer.tolist())
             local[i] = [next(values) if m else 0.0 for m in s.loss_mask]
             if i not in first_indices or trainer.numel() == 0:

@@ -26,18 +26,82 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from agentrl.packed_body import PackedBody
 from agentrl.packing import PackedBatch
 
+_MM_OUT_DTYPE: bool | None = None  # does this torch/device have mm(..., out_dtype=float32)?
 
-def _logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inv_t: float
-) -> torch.Tensor:
-    out = h @ weight.t()  # (c, V) float32
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as float32: inputs in their own dtype, float32 accumulation and output.
+
+    Low-precision inputs go through ``torch.mm(..., out_dtype=torch.float32)`` where the backend
+    has it (CUDA), so the logits are not rounded to bf16 on the way out; elsewhere the inputs are
+    upcast first (same result, float32 speed).
+    """
+    global _MM_OUT_DTYPE
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if _MM_OUT_DTYPE is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE = False
+    return a.float() @ b.float()
+
+
+def _addmm32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into float32 ``acc``; low-precision ``a``, ``b`` accumulate in float32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _MM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += _mm32(a, b)
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = _mm32(h, weight.t())  # (c, V) float32
     if bias is not None:
         out += bias
-    if inv_t != 1.0:
-        out *= inv_t
     return out
+
+
+def _logprob_lse(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target and the log-sum-exp, per row of float32 ``logits`` (c, V)."""
+    z = logits * inv_t
+    lse = torch.logsumexp(z, dim=1)
+    return z.gather(1, targets[:, None]).squeeze(1) - lse, lse
+
+
+def _dlogits(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    targets: torch.Tensor,
+    inv_t: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``g · (onehot(target) - softmax) / T`` per row, in ``dtype`` (what the matmuls take)."""
+    p = torch.exp(logits * inv_t - lse[:, None])
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    onehot = (vocab[None, :] == targets[:, None]).to(p.dtype)
+    return (g[:, None] * inv_t * (onehot - p)).to(dtype)
+
+
+_FUSED: dict[str, Any] = {}
+
+
+def _fused(name: str) -> Any:
+    """The ``torch.compile``d :func:`_logprob_lse` / :func:`_dlogits`: one pass over the logits."""
+    if name not in _FUSED:
+        fn = _logprob_lse if name == "fwd" else _dlogits
+        _FUSED[name] = torch.compile(fn, dynamic=True)
+    return _FUSED[name]
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -52,51 +116,69 @@ class _HeadLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         inv_t: float,
         chunk_size: int,
+        head_dtype: torch.dtype,
+        fused: bool,
     ) -> torch.Tensor:
-        h32, w32 = hidden.float(), weight.float()
+        h_lo, w_lo = hidden.to(head_dtype), weight.to(head_dtype)
         b32 = None if bias is None else bias.float()
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, n, chunk_size):
-            logits = _logits(h32[s : s + chunk_size], w32, b32, inv_t)  # (c, V)
-            picked = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
+            e = s + chunk_size
+            logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
+            if fused:
+                out[s:e], lse[s:e] = _fused("fwd")(logits, targets[s:e], inv_t)
+                continue
+            if inv_t != 1.0:
+                logits *= inv_t
+            picked = logits.gather(1, targets[s:e, None]).squeeze(1)
             top = logits.amax(dim=1)
             lse_c = logits.sub_(top[:, None]).exp_().sum(dim=1).log_() + top  # destroys logits
-            lse[s : s + chunk_size] = lse_c
-            out[s : s + chunk_size] = picked - lse_c
+            lse[s:e] = lse_c
+            out[s:e] = picked - lse_c
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.inv_t, ctx.chunk_size = inv_t, chunk_size
+        ctx.inv_t, ctx.chunk_size, ctx.head_dtype = inv_t, chunk_size, head_dtype
+        ctx.fused = fused
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        inv_t, chunk = ctx.inv_t, ctx.chunk_size
-        h32, w32 = hidden.float(), weight.float()
+        inv_t, chunk, low = ctx.inv_t, ctx.chunk_size, ctx.head_dtype
+        h_lo, w_lo = hidden.to(low), weight.to(low)
         b32 = None if bias is None else bias.float()
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(h32) if need_h else None
-        grad_w = torch.zeros_like(w32) if need_w else None
+        grad_h = torch.empty_like(h_lo, dtype=torch.float32) if need_h else None
+        grad_w = torch.zeros_like(w_lo, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(b32) if need_b and b32 is not None else None
         g = grad_out.float()
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
-            grad = _logits(h32[s:e], w32, b32, inv_t)  # (c, V), becomes dL/dlogits in place
-            grad.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])  # -g * softmax
-            grad.scatter_add_(1, targets[s:e, None], g[s:e, None])  # + g * onehot
-            if inv_t != 1.0:
-                grad.mul_(inv_t)
-            if grad_h is not None:
-                grad_h[s:e] = grad @ w32
-            if grad_w is not None:
-                grad_w.addmm_(grad.t(), h32[s:e])
+            logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
+            if ctx.fused:
+                grad = _fused("bwd")(logits, lse[s:e], g[s:e], targets[s:e], inv_t, low)
+            else:  # dL/dlogits in place
+                grad = logits
+                if inv_t != 1.0:
+                    grad.mul_(inv_t)
+                grad.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])  # -g * softmax
+                grad.scatter_add_(1, targets[s:e, None], g[s:e, None])  # + g * onehot
+                if inv_t != 1.0:
+                    grad.mul_(inv_t)
             if grad_b is not None:
-                grad_b += grad.sum(dim=0)
+                grad_b += grad.float().sum(dim=0)
+            grad_lo = grad.to(low)
+            if grad_h is not None:
+                grad_h[s:e] = _mm32(grad_lo, w_lo)
+            if grad_w is not None:
+                _addmm32_(grad_w, grad_lo.t(), h_lo[s:e])
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
             None,
             None,
             None,
@@ -111,6 +193,8 @@ def chunked_token_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    head_dtype: torch.dtype = torch.float32,
+    fused: bool = False,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T / T)[target]`` per token, ``chunk_size`` tokens at a time.
 
@@ -121,6 +205,10 @@ def chunked_token_logprobs(
         bias: optional ``(V,)`` head bias.
         temperature: the engine's sampling temperature; 0 (greedy) counts as 1.
         chunk_size: tokens per chunk; peak memory is about ``chunk_size * V`` floats.
+        head_dtype: dtype of the head matmuls' inputs (``bfloat16`` runs them at bf16 speed);
+            accumulation, logits and the log-softmax stay float32 whatever it is.
+        fused: run the per-chunk log-softmax and its gradient as ``torch.compile``d kernels
+            (one pass over the float32 logits instead of several; needs a compiler backend).
 
     Returns:
         ``(n,)`` float32 log-probs, differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
@@ -131,7 +219,9 @@ def chunked_token_logprobs(
         raise ValueError(f"targets: expected {hidden.shape[0]} entries, got {targets.shape[0]}")
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     with torch.autocast(hidden.device.type, enabled=False):
-        out = _HeadLogprobs.apply(hidden, weight, bias, targets, inv_t, chunk_size)
+        out = _HeadLogprobs.apply(
+            hidden, weight, bias, targets, inv_t, chunk_size, head_dtype, fused
+        )
     return out
 
 
@@ -146,8 +236,12 @@ class LogprobModel(nn.Module):
         model: a transformers causal LM with a linear output embedding.
         temperature: the engine's sampling temperature.
         chunk_size: tokens per chunk of the head.
-        autocast_dtype: run the body under ``torch.autocast`` in this dtype (the head stays
-            float32); ``None`` runs it in the parameters' dtype.
+        autocast_dtype: run the body under ``torch.autocast`` in this dtype (the head's
+            log-softmax stays float32); ``None`` runs it in the parameters' dtype.
+        head_dtype: dtype of the head matmuls' inputs (float32 accumulation either way).
+        fused_head: compile the head's per-chunk log-softmax and gradient (one pass each).
+        body: a :class:`~agentrl.packed_body.PackedBody` over ``model`` to run instead of
+            transformers' forward (it reads ``lengths`` instead of a mask).
     """
 
     def __init__(
@@ -157,12 +251,18 @@ class LogprobModel(nn.Module):
         temperature: float,
         chunk_size: int,
         autocast_dtype: torch.dtype | None = None,
+        head_dtype: torch.dtype = torch.float32,
+        fused_head: bool = False,
+        body: PackedBody | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.autocast_dtype = autocast_dtype
+        self.head_dtype = head_dtype
+        self.fused_head = fused_head
+        self.body = body
 
     def run(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` on a packed micro-batch."""
@@ -172,6 +272,7 @@ class LogprobModel(nn.Module):
             batch.attention_mask,
             batch.pred_index,
             batch.targets,
+            batch.lengths,
         )
 
     def forward(
@@ -181,6 +282,7 @@ class LogprobModel(nn.Module):
         attention_mask: torch.Tensor | None,
         pred_index: torch.Tensor,
         targets: torch.Tensor,
+        lengths: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs ``(n,)`` of ``targets``, and a zero scalar tied to every layer.
 
@@ -193,12 +295,15 @@ class LogprobModel(nn.Module):
         enabled = self.autocast_dtype is not None
         dtype = self.autocast_dtype or torch.float32
         with torch.autocast(input_ids.device.type, dtype=dtype, enabled=enabled):
-            hidden = self.model.base_model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                use_cache=False,
-            ).last_hidden_state  # (1, N, H)
+            if self.body is not None:
+                hidden = self.body(input_ids, position_ids, list(lengths))[None]  # (1, N, H)
+            else:
+                hidden = self.model.base_model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=attention_mask,
+                    use_cache=False,
+                ).last_hidden_state  # (1, N, H)
         zero = hidden.sum() * 0.0 + head.weight.sum() * 0.0
         picked = hidden[0].index_select(0, pred_index)  # (n, H)
         logprobs = chunked_token_logprobs(
@@ -208,5 +313,7 @@ class LogprobModel(nn.Module):
             bias=head.bias,
             temperature=self.temperature,
             chunk_size=self.chunk_size,
+            head_dtype=self.head_dtype,
+            fused=self.fused_head,
         )
         return logprobs, zero

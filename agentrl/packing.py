@@ -8,7 +8,9 @@ restarting at 0 for every sequence, so no token is padding. Attention must not c
 borders: for ``sdpa`` and ``eager`` attention we pass an explicit document-causal 4D mask (token
 ``q`` sees token ``k`` iff both belong to the same sequence and ``k <= q``); for every other
 implementation (``flash_attention_*``, ``flex_attention``, ...) we pass no mask and transformers
-derives the sequence borders from the restarting ``position_ids`` (the varlen path).
+derives the sequence borders from the restarting ``position_ids`` (the varlen path). The
+learner's own packed body (:mod:`agentrl.packed_body`, ``attn_implementation="packed"``) takes
+no mask either: it reads the sequence lengths.
 
 Cost of the explicit mask: ``sdpa`` and ``eager`` attend over the whole packed row and mask
 afterwards, so attention costs grow with ``budget²`` rather than with the sum of the squared
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -111,6 +114,7 @@ class PackedBatch:
     col_index: torch.Tensor  # (n,) rank of the target among its sequence's targets
     num_seqs: int
     width: int  # max number of targets in one sequence (at least 1)
+    lengths: tuple[int, ...] = ()  # token count of each packed sequence
 
     @property
     def num_tokens(self) -> int:
@@ -206,39 +210,34 @@ def build_packed_batch(
         The packed micro-batch.
     """
     lengths = [len(t) for t in tokens]
-    pred: list[int] = []
-    seq: list[int] = []
-    col: list[int] = []
-    targets: list[int] = []
-    offset = 0
-    for s, (toks, mask) in enumerate(zip(tokens, loss_masks, strict=True)):
-        if mask and mask[0]:
-            raise ValueError("loss_mask: expected 0 for the first token (nothing predicts it)")
-        k = 0
-        for t in range(1, len(toks)):
-            if mask[t]:
-                pred.append(offset + t - 1)
-                targets.append(toks[t])
-                seq.append(s)
-                col.append(k)
-                k += 1
-        offset += len(toks)
-    flat = [tok for toks in tokens for tok in toks]
-    positions = [p for n in lengths for p in range(n)]
-
-    def _long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
+    if len(loss_masks) != len(tokens):
+        raise ValueError(f"loss_masks: expected {len(tokens)} entries, got {len(loss_masks)}")
+    if any(len(m) != n for m, n in zip(loss_masks, lengths, strict=True)):
+        raise ValueError("loss_masks: expected one entry per token of each sequence")
+    # vectorised on the host: this runs for every micro-batch while the GPU may be idle
+    flat = torch.tensor(list(chain.from_iterable(tokens)), dtype=torch.long)
+    mask = torch.tensor(list(chain.from_iterable(loss_masks)), dtype=torch.bool)
+    sizes = torch.tensor(lengths, dtype=torch.long)
+    starts = torch.cumsum(sizes, 0) - sizes
+    if bool(mask[starts[sizes > 0]].any()):
+        raise ValueError("loss_mask: expected 0 for the first token (nothing predicts it)")
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), sizes)  # (N,) sequence of a token
+    positions = torch.arange(flat.shape[0]) - starts[doc]
+    where = mask.nonzero().squeeze(1)  # targets; never a sequence's first token
+    seq = doc[where]
+    counts = torch.bincount(seq, minlength=len(lengths))
+    col = torch.arange(where.shape[0]) - (torch.cumsum(counts, 0) - counts)[seq]
     return PackedBatch(
-        input_ids=_long(flat)[None],
-        position_ids=_long(positions)[None],
+        input_ids=flat.to(device)[None],
+        position_ids=positions.to(device)[None],
         attention_mask=document_causal_mask(lengths, attn_implementation, device),
-        pred_index=_long(pred),
-        targets=_long(targets),
-        seq_index=_long(seq),
-        col_index=_long(col),
+        pred_index=(where - 1).to(device),
+        targets=flat[where].to(device),
+        seq_index=seq.to(device),
+        col_index=col.to(device),
         num_seqs=len(tokens),
-        width=max([c + 1 for c in col], default=1),
+        width=max(int(counts.max()) if len(lengths) else 0, 1),
+        lengths=tuple(lengths),
     )
 
 
@@ -246,10 +245,8 @@ def masked_values(
     values: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]], device: torch.device
 ) -> torch.Tensor:
     """Per-token ``values`` at the trained positions, in :class:`PackedBatch` target order."""
-    flat = [
-        v
-        for vals, mask in zip(values, loss_masks, strict=True)
-        for v, m in zip(vals, mask, strict=True)
-        if m
-    ]
-    return torch.tensor(flat, dtype=torch.float32, device=device)
+    flat = torch.tensor(list(chain.from_iterable(values)), dtype=torch.float32)
+    mask = torch.tensor(list(chain.from_iterable(loss_masks)), dtype=torch.bool)
+    if flat.shape != mask.shape:
+        raise ValueError(f"values: expected {mask.shape[0]} entries in all, got {flat.shape[0]}")
+    return flat[mask].to(device)

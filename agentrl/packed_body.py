@@ -1,0 +1,345 @@
+"""A packed-row forward for Llama-family decoders that shares the transformers model's weights.
+
+transformers' forward of a packed row pays for its generality: a mask (or a mask function) per
+micro-batch, one kernel per elementwise op (norms, rotary embeddings, SwiGLU, residual adds,
+casts), attention kernels that see padding or a dense block mask. :class:`PackedBody` runs the
+same math on one packed row of sequences (``position_ids`` restarting at 0 per sequence) with:
+
+* **variable-length attention** over cumulative sequence offsets: FlashAttention through
+  ``torch.nn.attention.varlen`` on CUDA, one causal ``sdpa`` per sequence elsewhere; no mask is
+  built and no padded position is computed;
+* **each decoder layer as two functions** around the attention call (norm + projections +
+  q/k-norm + rotary before it; output projection + residual + norm + SwiGLU MLP + residual after
+  it) that ``torch.compile`` fuses into a few kernels (``compile=True``). The attention kernel
+  stays outside the compiled graphs, so nothing in them depends on how the row is split;
+* **activation checkpointing per layer**: the first ``checkpoint_layers`` layers recompute their
+  activations in the backward (a memory budget picks a number, not all-or-nothing).
+
+The parameters are the model's own (nothing is copied), so the optimizer, checkpoints and weight
+export see one set of weights whichever body runs. The numerics follow transformers' modules
+op for op (float32 norms, the dtype promotions under autocast), so a float32 run equals the
+transformers forward to rounding (tested on a CPU for Qwen3, Qwen2 and Llama configs).
+
+Supported: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` with SiLU MLPs, no
+MLP bias, no sliding window and no attention dropout (:func:`unsupported_reason` says why not).
+Single process only: FSDP2's hooks fire on module forwards, which this body bypasses.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["PackedBody", "unsupported_reason"]
+
+_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`PackedBody` cannot run ``model``, or ``None`` when it can."""
+    name = type(model).__name__
+    if name not in _ARCHITECTURES:
+        return f"architecture {name} (supported: {', '.join(_ARCHITECTURES)})"
+    cfg: Any = model.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only 'silu')"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp_bias=True"
+    if getattr(cfg, "attention_dropout", 0.0):
+        return f"attention_dropout {cfg.attention_dropout}"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' RMSNorm: normalise in float32, cast back, then scale (which promotes)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _pre_attention(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ln: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    bq: torch.Tensor | None,
+    bk: torch.Tensor | None,
+    bv: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, q/k/v projections, optional q/k norms, rotary: ``(N, heads, head_dim)`` each."""
+    h = _rms_norm(x, ln, eps)
+    n = h.shape[0]
+    # one matmul for q, k and v (wider is faster; compiled, the concatenation fuses with the cast)
+    biases = [(b, w) for b, w in ((bq, wq), (bk, wk), (bv, wv))]
+    bias = None
+    if any(b is not None for b, _ in biases):
+        bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for b, w in biases])
+    qkv = F.linear(h, torch.cat([wq, wk, wv]), bias)
+    q, k, v = qkv.split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+    q, k, v = (t.reshape(n, -1, head_dim) for t in (q, k, v))
+    if q_norm is not None and k_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    c, s = cos[:, None, :], sin[:, None, :]  # (N, 1, D)
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    return q, k, v
+
+
+def _post_attention(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    wo: torch.Tensor,
+    bo: torch.Tensor | None,
+    ln: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Output projection, residual, post-attention norm, SwiGLU MLP, residual."""
+    x = x + F.linear(attn.flatten(1), wo, bo)
+    h = _rms_norm(x, ln, eps)
+    gate, up = F.linear(h, torch.cat([w_gate, w_up])).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down)
+
+
+def _varlen_kwargs(num_heads: int, num_kv_heads: int) -> dict[str, Any]:
+    """Keyword arguments for this torch's ``varlen_attn``: causal, and KV-head sharing.
+
+    ``repeat`` is 1 when it takes fewer KV heads than query heads as they are (FlashAttention
+    shares them itself), else how many times to repeat each KV head.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    attend: Any = varlen_attn  # its keywords differ between torch versions
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {}
+    if not kwargs:
+        kwargs["window_size"] = (-1, 0)
+    repeat = num_heads // num_kv_heads
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"], repeat = True, 1
+    elif repeat > 1:  # FlashAttention itself shares KV heads; check that this wrapper lets it
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(96, num_heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(2, 96, num_kv_heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        cu = torch.tensor([0, 40, 96], dtype=torch.int32, device="cuda")
+        full = [t.repeat_interleave(repeat, dim=1) for t in kv]
+        try:
+            native = attend(q, kv[0], kv[1], cu, cu, 56, 56, **kwargs)
+            ok = torch.allclose(native, attend(q, *full, cu, cu, 56, 56, **kwargs), atol=1e-2)
+        except RuntimeError:
+            ok = False
+        repeat = 1 if ok else repeat
+    kwargs["repeat"] = repeat
+    return kwargs
+
+
+def _varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    scale: float,
+    options: dict[str, Any],
+) -> torch.Tensor:
+    """Causal FlashAttention over the sequences that ``cu`` (cumulative offsets) delimits."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    attend: Any = varlen_attn  # its keywords differ between torch versions
+    dtype = v.dtype  # under autocast: the projections' low precision
+    q, k = q.to(dtype), k.to(dtype)
+    kwargs = dict(options)
+    repeat = kwargs.pop("repeat")
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = attend(q, k, v, cu, cu, max_len, max_len, scale=scale, **kwargs)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _varlen_layer(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    options: dict[str, Any],
+    pre: tuple[Any, ...],
+    post: tuple[Any, ...],
+) -> torch.Tensor:
+    """A whole decoder layer with varlen attention: one graph for ``torch.compile``."""
+    q, k, v = _pre_attention(x, cos, sin, *pre)
+    head_dim = pre[-1]
+    attn = _varlen_attention(q, k, v, cu, max_len, head_dim**-0.5, options)
+    return _post_attention(x, attn, *post)
+
+
+class PackedBody:
+    """Runs a causal LM's decoder on one packed row; see the module docstring.
+
+    Args:
+        model: a supported transformers causal LM (:func:`unsupported_reason`).
+        compile: ``torch.compile`` the per-layer functions (fused elementwise kernels).
+        checkpoint_layers: recompute the activations of this many layers (the first ones) in
+            the backward.
+        attention: ``"varlen"`` (FlashAttention, CUDA), ``"sdpa"`` (one call per sequence) or
+            ``"auto"`` (varlen on CUDA, sdpa elsewhere).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        compile: bool = False,
+        checkpoint_layers: int = 0,
+        attention: str = "auto",
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"model: the packed body does not support {reason}")
+        if attention not in ("auto", "varlen", "sdpa"):
+            raise ValueError(f"attention: expected auto, varlen or sdpa, got {attention!r}")
+        self.model = model
+        base: Any = model.base_model  # transformers modules, untyped
+        self.base = base
+        cfg: Any = model.config
+        self.eps = float(cfg.rms_norm_eps)
+        head_dim = getattr(cfg, "head_dim", None)
+        self.head_dim = int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+        self.num_layers = len(base.layers)
+        if not 0 <= checkpoint_layers <= self.num_layers:
+            raise ValueError(
+                f"checkpoint_layers: expected 0..{self.num_layers}, got {checkpoint_layers}"
+            )
+        self.checkpoint_layers = checkpoint_layers
+        self.attention = attention
+        self._varlen: dict[str, Any] | None = None
+        self._pre: Callable[..., Any] = _pre_attention
+        self._post: Callable[..., Any] = _post_attention
+        self._varlen_layer: Callable[..., Any] = _varlen_layer
+        if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
+            self._pre = torch.compile(_pre_attention, dynamic=True)
+            self._post = torch.compile(_post_attention, dynamic=True)
+            self._varlen_layer = torch.compile(_varlen_layer, dynamic=True)
+
+    def _sdpa_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        dtype = v.dtype  # under autocast: the projections' low precision
+        q, k = q.to(dtype), k.to(dtype)
+        outs, start = [], 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            start += n
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1),
+                k[sl].transpose(0, 1),
+                v[sl].transpose(0, 1),
+                is_causal=True,
+                scale=self.head_dim**-0.5,
+                enable_gqa=True,
+            )
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
+
+    def _weights(self, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Layer ``i``'s arguments of :func:`_pre_attention` and :func:`_post_attention`."""
+        layer = self.base.layers[i]
+        att, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(att, "q_norm", None)
+        k_norm = getattr(att, "k_norm", None)
+        pre = (
+            layer.input_layernorm.weight,
+            att.q_proj.weight,
+            att.k_proj.weight,
+            att.v_proj.weight,
+            att.q_proj.bias,
+            att.k_proj.bias,
+            att.v_proj.bias,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            self.eps,
+            self.head_dim,
+        )
+        post = (
+            att.o_proj.weight,
+            att.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+            self.eps,
+        )
+        return pre, post
+
+    def _layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu: torch.Tensor,
+        lengths: list[int],
+    ) -> torch.Tensor:
+        pre, post = self._weights(i)
+        if self.attention == "varlen" or (self.attention == "auto" and x.is_cuda):
+            if self._varlen is None:
+                cfg: Any = self.model.config
+                heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+                self._varlen = _varlen_kwargs(heads, kv)
+            # a power of two: FlashAttention only sizes its grid by it, and few distinct
+            # values keep the compiled layer from recompiling for every batch
+            max_len = max(1024, 1 << (max(lengths) - 1).bit_length())
+            return self._varlen_layer(x, cos, sin, cu, max_len, self._varlen, pre, post)
+        q, k, v = self._pre(x, cos, sin, *pre)
+        return self._post(x, self._sdpa_attention(q, k, v, lengths), *post)
+
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """Final hidden states ``(N, hidden)`` of a packed row.
+
+        Args:
+            input_ids: ``(1, N)`` or ``(N,)`` token ids, sequences back to back.
+            position_ids: the same shape, restarting at 0 for every sequence.
+            lengths: token count of each sequence, summing to ``N``.
+        """
+        ids = input_ids.reshape(-1)
+        pos = position_ids.reshape(1, -1)
+        if sum(lengths) != ids.shape[0]:
+            raise ValueError(f"lengths: expected them to sum to {ids.shape[0]}, got {sum(lengths)}")
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=ids.device)
+        x = self.base.embed_tokens(ids)  # (N, H), the parameters' dtype
+        cos, sin = self.base.rotary_emb(x[None], pos)  # (1, N, D) in x's dtype
+        cos, sin = cos[0], sin[0]
+        for i in range(self.num_layers):
+            if i < self.checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(self._layer, i, x, cos, sin, cu, lengths, use_reentrant=False)
+            else:
+                x = self._layer(i, x, cos, sin, cu, lengths)
+        return _rms_norm(x, self.base.norm.weight, self.eps)

@@ -1,0 +1,349 @@
+"""The learner's GSPO-token update on a GPU, lever by lever, and TRL's loss path side by side.
+
+Batch (the issue's): 32 sequences of a 512-token prompt and a 256-2,048-token response (uniform,
+seeded), random token ids, one advantage per sequence, a Qwen3-0.6B-shaped model built from
+config with seeded random weights (no download). One update = one optimizer step over the 32
+sequences (TRL: micro-batches of 4 with gradient accumulation; agentrl: packed micro-batches of
+``--micro-batch-tokens``). Tokens counted: real prompt + response tokens (no padding).
+
+agentrl variants, each from the same initial weights (``--variants`` picks):
+
+* ``transformers``: transformers' forward on packed rows (sdpa + block mask), float32 head;
+* ``packed``: :mod:`agentrl.packed_body` (varlen FlashAttention, no mask), float32 head;
+* ``packed+bf16head``: the head matmuls with bf16 inputs (float32 accumulation and softmax);
+* ``packed+bf16head+compile``: the per-layer functions ``torch.compile``d (the headline);
+* ``...+10k`` / ``...+16k``: 10,240 / 16,384-token micro-batches instead of
+  ``--micro-batch-tokens`` (12,288): fewer micro-batches are faster and need more memory;
+* ``...+ckpt`` / ``...+ckpt-half``: all / half of the layers checkpointed.
+
+Times are medians of ``--repeats`` updates after ``--warmup`` (5) updates: the compiled
+kernels autotune for the first few batch shapes they meet, so early steps are slower; both
+sides get the same warm-up.
+
+TRL (``benchmarks/_trl_side.py``; TRL's wheel carried with ``benchmarks/trl_wheels.sh``):
+``GRPOTrainer``'s own loss path in the GSPO settings, bf16 weights, without and with gradient
+checkpointing.
+
+Correctness: the headline configuration's first step (loss, gradient norm) against a float32
+reference (transformers body, float32 everything) from the same weights and batch; both with
+``recompute_old_logprobs`` so that ratios are exactly 1 in each.
+
+MFU = 6 x parameters x tokens/s / the card's measured bf16 matmul peak (8192^3 matmul).
+
+Usage: ``python benchmarks/learner_gpu.py [--variants ...] [--no-trl]``
+(``--model tiny`` runs the same code on a CPU in seconds, for a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_tokenizer, tiny_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from learner_step import cpu_name, peak_matmul_tflops  # noqa: E402
+
+GIB = 2**30
+VARIANTS: dict[str, dict[str, Any]] = {
+    "transformers": dict(body="transformers", head_dtype="float32"),
+    "packed": dict(body="packed", head_dtype="float32"),
+    "packed+bf16head": dict(body="packed", head_dtype="bfloat16"),
+    "packed+bf16head+compile": dict(body="packed", head_dtype="bfloat16", compile=True),
+    "packed+bf16head+compile+10k": dict(
+        body="packed", head_dtype="bfloat16", compile=True, micro_batch_tokens=10240
+    ),
+    "packed+bf16head+compile+16k": dict(
+        body="packed", head_dtype="bfloat16", compile=True, micro_batch_tokens=16384
+    ),
+    "packed+bf16head+compile+ckpt": dict(
+        body="packed", head_dtype="bfloat16", compile=True, gradient_checkpointing=True
+    ),
+    "packed+bf16head+compile+ckpt-half": dict(
+        body="packed", head_dtype="bfloat16", compile=True, checkpoint_layers=-2
+    ),
+}
+HEADLINE = "packed+bf16head+compile"
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> Qwen3ForCausalLM:
+    if args.model == "tiny":
+        config = tiny_config(107)
+    else:
+        config = Qwen3Config(**QWEN3_0_6B_SHAPE)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with device:
+        return Qwen3ForCausalLM(config).float()
+
+
+Batch = tuple[list[list[int]], list[list[int]], list[float]]
+
+
+def make_batch(args: argparse.Namespace, vocab: int) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    prompts, completions = [], []
+    for _ in range(args.num_seqs):
+        r = int(torch.randint(args.response_min, args.response_max + 1, (1,), generator=g))
+        prompts.append(torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist())
+        completions.append(torch.randint(3, vocab, (r,), generator=g).tolist())
+    advantages = torch.randn(args.num_seqs, generator=g).tolist()
+    return prompts, completions, advantages
+
+
+def samples_for(
+    prompts: list[list[int]], completions: list[list[int]], advantages: list[float]
+) -> list[TrainSample]:
+    """Train samples with placeholder engine log-probs (filled by :func:`engine_logprobs`)."""
+    out = []
+    for p, c, a in zip(prompts, completions, advantages, strict=True):
+        mask = [0] * len(p) + [1] * len(c)
+        out.append(TrainSample(p + c, mask, [0.0] * len(mask), [0] * len(mask), [a] * len(mask)))
+    return out
+
+
+def with_engine_logprobs(learner: Learner, samples: list[TrainSample]) -> list[TrainSample]:
+    """The samples with this learner's own pre-update log-probs as the engine's (ratio 1)."""
+    minibatches, micro = learner._plan(samples)
+    prepared = learner._prepare(samples, micro)
+    own = learner._recompute(samples, micro, prepared)
+    out = []
+    for i, s in enumerate(samples):
+        values = iter(own[i].float().cpu().tolist())
+        lp = [next(values) if m else 0.0 for m in s.loss_mask]
+        out.append(TrainSample(s.tokens, s.loss_mask, lp, s.versions, s.advantages))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def learner_config(
+    args: argparse.Namespace, overrides: dict[str, Any], **extra: Any
+) -> LearnerConfig:
+    cuda = args.device.type == "cuda"
+    kw: dict[str, Any] = dict(
+        lr=1e-6,
+        num_minibatches=1,
+        micro_batch_tokens=args.micro_batch_tokens,
+        dtype="bfloat16" if cuda else "float32",
+        logprob_chunk_size=args.chunk_size,
+    )
+    kw.update(overrides, **extra)
+    if kw.get("checkpoint_layers") == -2:  # half the layers
+        kw["checkpoint_layers"] = args.num_layers // 2
+    if not cuda:  # the CPU smoke run: no inductor C++ build
+        kw["compile"] = False
+    return LearnerConfig(**kw)
+
+
+def run_variant(
+    args: argparse.Namespace, init: dict[str, torch.Tensor], samples: list[TrainSample], name: str
+) -> dict[str, Any]:
+    device = args.device
+    model = build_model(args, device)
+    model.load_state_dict(init)
+    learner = Learner(model, learner_config(args, VARIANTS[name]))
+    batch = with_engine_logprobs(learner, samples)
+    t0 = time.perf_counter()
+    first = learner.step(batch)  # warm-up (compiles), and the first step's figures
+    for _ in range(args.warmup - 1):
+        learner.step(batch)
+    warm_s = time.perf_counter() - t0
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.repeats):
+        sync(device)
+        t = time.perf_counter()
+        learner.step(batch)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    del learner, model
+    free(device)
+    step_s = statistics.median(times)
+    return dict(
+        step_s=step_s,
+        tokens_per_s=args.tokens / step_s,
+        peak_gib=peak,
+        warmup_s=warm_s,
+        first_loss=first["loss/policy"],
+        first_grad_norm=first["loss/grad_norm"],
+    )
+
+
+def first_step_check(
+    args: argparse.Namespace, init: dict[str, torch.Tensor], samples: list[TrainSample]
+) -> dict[str, float]:
+    """Loss and grad norm of the first step: headline config vs a float32 reference."""
+    out = {}
+    ref = dict(body="transformers", dtype="float32", head_dtype="float32")
+    for label, overrides in (("fast", VARIANTS[HEADLINE]), ("float32", ref)):
+        model = build_model(args, args.device)
+        model.load_state_dict(init)
+        learner = Learner(model, learner_config(args, overrides, recompute_old_logprobs=True))
+        m = learner.step(samples)
+        out[f"{label}_loss"], out[f"{label}_grad_norm"] = m["loss/policy"], m["loss/grad_norm"]
+        del learner, model
+        free(args.device)
+    out["loss_rel_diff"] = abs(out["fast_loss"] - out["float32_loss"]) / abs(out["float32_loss"])
+    out["grad_norm_rel_diff"] = (
+        abs(out["fast_grad_norm"] - out["float32_grad_norm"]) / out["float32_grad_norm"]
+    )
+    return out
+
+
+def run_trl(
+    args: argparse.Namespace,
+    init: dict[str, torch.Tensor],
+    batch: Batch,
+    checkpointing: bool,
+) -> dict[str, Any]:
+    from _trl_side import trl_update
+
+    model = build_model(args, args.device)
+    model.load_state_dict(init)
+    bf16 = args.device.type == "cuda"
+    if bf16:
+        model = model.to(torch.bfloat16)
+    prompts, completions, advantages = batch
+    result = trl_update(
+        model,
+        build_tiny_tokenizer(),
+        prompts,
+        completions,
+        advantages,
+        micro_batch_seqs=4,
+        gradient_checkpointing=checkpointing,
+        bf16=bf16,
+        lr=1e-6,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    del model
+    free(args.device)
+    step_s = statistics.median(result.step_s)
+    return dict(
+        step_s=step_s,
+        tokens_per_s=result.tokens_per_step / step_s,
+        peak_gib=result.peak_mem_gib,
+        first_loss=result.first_loss,
+        first_grad_norm=result.first_grad_norm,
+        settings=result.settings,
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["qwen3-0.6b-shape", "tiny"], default="qwen3-0.6b-shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--response-min", type=int, default=256)
+    parser.add_argument("--response-max", type=int, default=2048)
+    parser.add_argument("--micro-batch-tokens", type=int, default=12288)
+    parser.add_argument("--chunk-size", type=int, default=256, help="head chunk (tokens)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument("--no-check", action="store_true", help="skip the float32 first-step check")
+    args = parser.parse_args()
+    args.device = torch.device(args.device)
+    if args.model == "tiny":
+        args.prompt_len, args.response_min, args.response_max = 16, 8, 64
+        args.micro_batch_tokens, args.chunk_size = 256, 64
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = args.device
+    model = build_model(args, device)
+    init = {k: v.cpu() for k, v in model.state_dict().items()}  # off the card: peaks compare
+    num_params = sum(p.numel() for p in model.parameters())
+    args.num_layers = model.config.num_hidden_layers
+    del model
+    batch = make_batch(args, 107 if args.model == "tiny" else QWEN3_0_6B_SHAPE["vocab_size"])
+    samples = samples_for(*batch)
+    args.tokens = sum(len(s.tokens) for s in samples)
+    peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak_tflops = peak_matmul_tflops(device, peak_dtype)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+    def mfu(tokens_per_s: float) -> float:
+        return 6 * num_params * tokens_per_s / (peak_tflops * 1e12)
+
+    rows: dict[str, dict[str, Any]] = {}
+    for name in args.variants:
+        rows[name] = run_variant(args, init, samples, name)
+        print(f"# {name}: {rows[name]}", flush=True)
+    trl: dict[str, dict[str, Any]] = {}
+    if not args.no_trl:
+        for ckpt in (False, True):
+            trl["trl+ckpt" if ckpt else "trl"] = run_trl(args, init, batch, ckpt)
+            print(f"# trl ckpt={ckpt}: {trl['trl+ckpt' if ckpt else 'trl']}", flush=True)
+    check = {} if args.no_check else first_step_check(args, init, samples)
+
+    print(f"\ncard: {machine}; measured {peak_dtype} matmul peak {peak_tflops:.0f} TFLOP/s")
+    print(f"batch: {args.num_seqs} sequences, {args.tokens} tokens; {num_params / 1e6:.0f}M params")
+    head = f"{'run':<38}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'MFU':>8}"
+    print(head + f"{'warm-up s':>11}")
+    for name, r in {**rows, **trl}.items():
+        warm = f"{r['warmup_s']:>11.1f}" if "warmup_s" in r else ""
+        print(
+            f"{name:<38}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
+            f"{r['peak_gib']:>10.2f}{mfu(r['tokens_per_s']):>8.3f}{warm}"
+        )
+    if check:
+        print(
+            f"first step vs float32: loss {check['fast_loss']:.6f} vs {check['float32_loss']:.6f}"
+            f" (rel {check['loss_rel_diff']:.2e}), grad norm {check['fast_grad_norm']:.5f} vs "
+            f"{check['float32_grad_norm']:.5f} (rel {check['grad_norm_rel_diff']:.2e})"
+        )
+    best = rows.get(HEADLINE) or next(iter(rows.values()))
+    figures: dict[str, Any] = {
+        "agentrl_tokens_per_s": round(best["tokens_per_s"], 1),
+        "trl_tokens_per_s": round(trl["trl"]["tokens_per_s"], 1) if trl else None,
+        "speedup_vs_trl": round(best["tokens_per_s"] / trl["trl"]["tokens_per_s"], 3)
+        if trl
+        else None,
+        "mfu": round(mfu(best["tokens_per_s"]), 4),
+        "peak_mem_gib": round(best["peak_gib"], 3),
+        "trl_peak_mem_gib": round(trl["trl"]["peak_gib"], 3) if trl else None,
+        "variants": {k: round(v["tokens_per_s"], 1) for k, v in rows.items()},
+        "variant_peak_gib": {k: round(v["peak_gib"], 3) for k, v in rows.items()},
+        "trl_ckpt_tokens_per_s": round(trl["trl+ckpt"]["tokens_per_s"], 1) if trl else None,
+        "trl_ckpt_peak_mem_gib": round(trl["trl+ckpt"]["peak_gib"], 3) if trl else None,
+        "first_step": {k: round(v, 8) for k, v in check.items()},
+        "peak_tflops": round(peak_tflops, 1),
+        "tokens": args.tokens,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "card": machine,
+        "torch": torch.__version__,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
