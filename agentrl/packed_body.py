@@ -13,7 +13,11 @@ same math on one packed row of sequences (``position_ids`` restarting at 0 per s
   it) that ``torch.compile`` fuses into a few kernels (``compile=True``). The attention kernel
   stays outside the compiled graphs, so nothing in them depends on how the row is split;
 * **activation checkpointing per layer**: the first ``checkpoint_layers`` layers recompute their
-  activations in the backward (a memory budget picks a number, not all-or-nothing).
+  activations in the backward (a memory budget picks a number, not all-or-nothing);
+* **selective recomputation** (``selective=True``): every other layer keeps only the outputs of
+  its matmuls and of attention, and recomputes the rest in the backward — norms, rotary, the
+  activation, and the bf16 copies of the weights that autocast makes (about a third of a
+  layer's activation memory for a few percent of time).
 
 The parameters are the model's own (nothing is copied), so the optimizer, checkpoints and weight
 export see one set of weights whichever body runs. The numerics follow transformers' modules
@@ -27,6 +31,7 @@ Single process only: FSDP2's hooks fire on module forwards, which this body bypa
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +39,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 __all__ = ["PackedBody", "unsupported_reason"]
 
@@ -196,6 +205,43 @@ def _varlen_layer(
     return _post_attention(x, attn, *post)
 
 
+def _saved_ops() -> set[Any]:
+    """Operators whose outputs selective recomputation keeps: matmuls and attention."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
+        ops.add(getattr(aten, name).default)
+    if torch.cuda.is_available():
+        importlib.import_module("torch.nn.attention.varlen")  # registers the torch_attn ops
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    return ops
+
+
+_SAVED_OPS: set[Any] = set()
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if not _SAVED_OPS:
+        _SAVED_OPS.update(_saved_ops())
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def _selective_varlen_layer(*args: Any) -> torch.Tensor:
+    """:func:`_varlen_layer` keeping only matmul and attention outputs for the backward."""
+    out = checkpoint(_varlen_layer, *args, use_reentrant=False, context_fn=_selective_context)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 class PackedBody:
     """Runs a causal LM's decoder on one packed row; see the module docstring.
 
@@ -204,6 +250,8 @@ class PackedBody:
         compile: ``torch.compile`` the per-layer functions (fused elementwise kernels).
         checkpoint_layers: recompute the activations of this many layers (the first ones) in
             the backward.
+        selective: in the other layers, keep only matmul and attention outputs and recompute
+            the rest in the backward.
         attention: ``"varlen"`` (FlashAttention, CUDA), ``"sdpa"`` (one call per sequence) or
             ``"auto"`` (varlen on CUDA, sdpa elsewhere).
     """
@@ -215,6 +263,7 @@ class PackedBody:
         compile: bool = False,
         checkpoint_layers: int = 0,
         attention: str = "auto",
+        selective: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -238,11 +287,13 @@ class PackedBody:
         self._varlen: dict[str, Any] | None = None
         self._pre: Callable[..., Any] = _pre_attention
         self._post: Callable[..., Any] = _post_attention
-        self._varlen_layer: Callable[..., Any] = _varlen_layer
+        self.selective = selective
+        layer_fn = _selective_varlen_layer if selective else _varlen_layer
+        self._varlen_layer: Callable[..., Any] = layer_fn
         if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
             self._pre = torch.compile(_pre_attention, dynamic=True)
             self._post = torch.compile(_post_attention, dynamic=True)
-            self._varlen_layer = torch.compile(_varlen_layer, dynamic=True)
+            self._varlen_layer = torch.compile(layer_fn, dynamic=True)
 
     def _sdpa_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
@@ -313,6 +364,29 @@ class PackedBody:
             # values keep the compiled layer from recompiling for every batch
             max_len = max(1024, 1 << (max(lengths) - 1).bit_length())
             return self._varlen_layer(x, cos, sin, cu, max_len, self._varlen, pre, post)
+        if self.selective and torch.is_grad_enabled():
+            return checkpoint(
+                self._sdpa_layer,
+                x,
+                cos,
+                sin,
+                lengths,
+                pre,
+                post,
+                use_reentrant=False,
+                context_fn=_selective_context,
+            )
+        return self._sdpa_layer(x, cos, sin, lengths, pre, post)
+
+    def _sdpa_layer(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lengths: list[int],
+        pre: tuple[Any, ...],
+        post: tuple[Any, ...],
+    ) -> torch.Tensor:
         q, k, v = self._pre(x, cos, sin, *pre)
         return self._post(x, self._sdpa_attention(q, k, v, lengths), *post)
 

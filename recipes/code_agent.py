@@ -45,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout": {"group_size": 8, "max_turns": 3, "max_new_tokens": 1536,
                     "max_total_tokens": 6144, "temperature": 1.0, "concurrency": 512},
         "learner": {"lr": 1e-6, "num_minibatches": 4, "dtype": "bfloat16",
-                    "micro_batch_tokens": 16384},
+                    "micro_batch_tokens": 16384, "compile": True, "selective_recompute": True},
         "train": {"steps": 200, "tasks_per_step": 32, "eval_every": 20, "eval_samples": 4,
                   "eval_temperature": 1.0, "checkpoint_every": 20},
     },

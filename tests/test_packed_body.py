@@ -100,9 +100,9 @@ def test_checkpointing_some_layers_gives_the_same_gradients() -> None:
     lengths = [30, 50]
     seqs = _seqs(lengths, seed=2)
     grads = []
-    for k in (0, 1, 2):
+    for k, selective in ((0, False), (1, False), (2, False), (0, True), (1, True)):
         model = _model("qwen3")
-        body = PackedBody(model, checkpoint_layers=k)
+        body = PackedBody(model, checkpoint_layers=k, selective=selective)
         ids = torch.tensor([t for s in seqs for t in s])[None]
         pos = torch.tensor([p for n in lengths for p in range(n)])[None]
         body(ids, pos, lengths).pow(2).mean().backward()
@@ -194,7 +194,9 @@ def test_compiled_varlen_bf16_body_is_close_to_float32_on_gpu() -> None:
     out = []
     for fast in (False, True):
         model = build_tiny_model(num_hidden_layers=2).cuda()
-        body = PackedBody(model, compile=True, checkpoint_layers=1) if fast else None
+        body = (
+            PackedBody(model, compile=True, checkpoint_layers=1, selective=True) if fast else None
+        )
         module = LogprobModel(
             model,
             temperature=1.0,
