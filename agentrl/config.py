@@ -106,10 +106,12 @@ class TrainLoopConfig(_Section):
     """Save a resumable checkpoint every N steps (0: only at the end)."""
     max_wall_s: float | None = None
     """Stop after this much wall time (then evaluate and summarise)."""
-    max_staleness: int = Field(0, ge=0)
+    max_staleness: int = Field(1, ge=0)
     """Overlap rollouts with training (:mod:`agentrl.pipeline`): a token sampled by weight
-    version u may train the learner at version v only if ``v - u <= max_staleness``; 0 is the
-    synchronous loop."""
+    version u may train the learner at version v only if ``v - u <= max_staleness``; a step
+    waits for a group that would otherwise outlive that bound, so none is dropped. 0 is the
+    synchronous loop: reproducible bit for bit from the seed (the overlapped loop's version
+    interleaving depends on timing) and resumable exactly from a checkpoint."""
     tokens_per_step: int | None = Field(None, ge=1)
     """Overlapped loop: a step starts once complete groups hold this many response tokens
     (``None``: once ``tasks_per_step`` groups are complete)."""

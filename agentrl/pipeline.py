@@ -10,22 +10,44 @@ Design:
   trainer's seeded cursor and a task's episode seeds derive from its position in that stream,
   exactly as in the synchronous loop.
 - **Batch assembly.** A step starts once the buffer holds ``tokens_per_step`` response tokens of
-  complete groups (or ``tasks_per_step`` groups when no token budget is set) and takes the oldest
-  groups up to that budget; episodes still running carry over to a later step. The learner runs
-  in a worker thread, so the event loop keeps serving rollouts while it trains.
+  complete groups (or ``tasks_per_step`` groups when no token budget is set) and no due group
+  (below) is still running; it takes the due groups, then the oldest others up to the budget;
+  episodes still running carry over to a later step. The learner runs in a worker thread, so
+  the event loop keeps serving rollouts while it trains.
 - **Partial rollouts.** After the update: ``rollout.interrupt()`` (in-flight requests come back
   with what they sampled), push weights as version ``v + 1``, ``rollout.release()``; every
   interrupted turn resumes from prompt + partial output on the new weights, and each token
   keeps the version that sampled it. The learner uses each token's recorded log-prob as its
   old log-prob, i.e. the true behaviour policy's.
-- **Staleness rule (drop).** The learner at version ``v`` trains on a group only if every token
-  its (non-failed) episodes sampled has version ``>= v - max_staleness``. An older group is
-  dropped, never trained and not re-run: a task whose episodes are long enough to outlive the
-  window would be dropped again while holding a slot. Drops are counted
-  (``staleness/dropped_groups``); a long-tailed workload needs a ``max_staleness`` that covers
-  the number of steps its longest episodes span (see the benchmark).
-- **Admission.** No new group starts while the buffer already holds ``max(1, max_staleness - 1)``
-  steps' worth of data: it could only train later than the staleness window allows.
+- **Staleness rule (wait for due groups; nothing is dropped or restarted).** A group started
+  while the engine served version ``u`` samples tokens of versions ``>= u`` only, so it may
+  train at learner versions ``u .. u + max_staleness``. It is *due* at ``v = u + S``: the step
+  at learner version ``v`` waits until every in-flight group started at ``<= v - S`` has
+  finished and trains all of them (and the buffered ones started then), then fills up to the
+  budget with the oldest other groups. By induction every group left
+  after step ``v`` started at ``>= v + 1 - S``, so no batch ever holds a token older than
+  ``max_staleness`` versions, and every started group is trained exactly once (or is still
+  running or buffered when the loop stops). The price is learner idle time while a due
+  straggler finishes (``pipeline/due_wait_s``); the server keeps generating meanwhile.
+  Why not drop or restart (measured in ``benchmarks/partial_rollouts.py`` at
+  ``max_staleness=1``): an episode 10-20x the median needs several steps' worth of decoding,
+  so under "drop groups with too-old tokens" it is never trained (14 of 67 groups dropped,
+  the trained episodes 38% shorter than the workload's mean: a length bias, plus the wasted
+  decoding), and "restart it from scratch on fresh weights" would restart it forever for the
+  same reason. Waiting trains every episode, at the workload's mean length, with the true
+  behaviour log-probs. In ``make demo``'s recipe (one short turn, group budget) the steps
+  never wait: 80 steps took 118 s against 166 s synchronously, to 0.96 held-out success
+  against 0.92 (2 CPU cores).
+- **Admission** (AReaL's bounded-staleness rollout controller). While version ``u`` is served,
+  a group starts only if fewer than ``(S + 1) * B`` groups (``B = tasks_per_step``) were started
+  beyond those taken by the steps before ``u``. With a group budget every step takes exactly
+  ``B`` groups, the steps before ``u`` took ``(u - v0) * B`` (``v0``: the first version), so
+  fewer than ``(v - v0 + 1) * B`` groups start at versions ``<= v - S``, of which
+  ``(v - v0) * B`` were taken before step ``v``: the groups due at a step never exceed its
+  batch. Without this the due groups inflate the batches (twice ``B`` in ``make demo``'s
+  recipe). A token budget can need more groups than ``B``, so groups also start while the
+  buffer holds less than a step's tokens (else a step could wait forever); a batch can then
+  exceed its budget by due groups (``staleness/due_groups``).
 - **Checkpoints** record the task cursor, which is past the groups in flight and in the buffer;
   a resumed run skips those tasks (a crash loses at most the episodes in flight).
 """
@@ -59,9 +81,10 @@ class _Ready:
     group: Group
     tokens: int  # response tokens of its non-failed episodes
     oldest: int | None  # oldest version that sampled one of those tokens (None: none sampled)
+    start: int  # the version the engine served when the group started (<= every token's)
 
 
-def _ready(index: int, group: Group) -> _Ready:
+def _ready(index: int, group: Group, start: int) -> _Ready:
     versions = [
         v
         for t in group.trajectories
@@ -69,7 +92,9 @@ def _ready(index: int, group: Group) -> _Ready:
         for m, v in zip(t.loss_mask, t.versions, strict=True)
         if m
     ]
-    return _Ready(index, group, len(versions), min(versions) if versions else None)
+    oldest = min(versions) if versions else None
+    assert oldest is None or oldest >= start, (oldest, start)
+    return _Ready(index, group, len(versions), oldest, start)
 
 
 @dataclass(slots=True)
@@ -79,8 +104,8 @@ class PipelineStats:
     started: int = 0
     trained: int = 0
     """Taken into a step's batch (including groups that carried no signal)."""
-    dropped: int = 0
-    """Too stale to train (the staleness rule)."""
+    due: int = 0
+    """Of those, trained at the last version the staleness window allowed."""
     unfinished: int = 0
     """Still running or buffered when the pipeline stopped."""
 
@@ -132,15 +157,17 @@ class Pipeline:
         self.max_inflight = cfg.max_inflight_groups or cfg.tasks_per_step
         budget = cfg.tokens_per_step or cfg.tasks_per_step
         self._budget = budget  # in tokens, or in groups without a token budget
-        self._buffer_cap = max(1, cfg.max_staleness - 1) * budget
+        self._admit = (cfg.max_staleness + 1) * cfg.tasks_per_step  # see "Admission" above
+        self._taken_before_served = 0  # groups taken by the steps before the served version
         self.stats = PipelineStats()
         self._tasks: deque[tuple[int, Task]] = deque()
         self._buffer: deque[_Ready] = deque()
         self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._started_at: dict[int, int] = {}  # in-flight group -> version served at its start
+        self._served = trainer.step  # the version the engine serves (after the first sync)
         self._arrived = asyncio.Event()
         self._failure: BaseException | None = None
         self._closing = False
-        self._dropped = 0  # since the last step
 
     async def steps(self) -> AsyncGenerator[dict[str, float], None]:
         """Run the loop, yielding each step's metrics once its new weights are live.
@@ -174,10 +201,15 @@ class Pipeline:
         while (
             not self._closing
             and len(self._inflight) < self.max_inflight
-            and self._buffered() < self._buffer_cap
+            and (
+                self.stats.started - self._taken_before_served < self._admit
+                # a token budget may need more groups than that: never let a step starve
+                or (self.tokens_per_step is not None and self._buffered() < self._budget)
+            )
         ):
             index, task = self._next_task()
             self.stats.started += 1
+            self._started_at[index] = self._served
             self._inflight[index] = asyncio.create_task(self._run_group(index, task))
 
     async def _run_group(self, index: int, task: Task) -> None:
@@ -189,54 +221,61 @@ class Pipeline:
         except Exception as e:  # episodes record their own errors: this is a bug, stop
             self._failure = e
         else:
-            self._buffer.append(_ready(index, group))
+            self._buffer.append(_ready(index, group, self._started_at.pop(index)))
             del self._inflight[index]
             self._fill()
         self._arrived.set()
 
     # ------------------------------------------------------------------ consumption
 
-    def _drop_stale(self) -> None:
-        floor = self.trainer.step - self.max_staleness
-        fresh = [r for r in self._buffer if r.oldest is None or r.oldest >= floor]
-        dropped = len(self._buffer) - len(fresh)
-        if dropped:
-            log.info("dropping %d group(s) with tokens older than version %d", dropped, floor)
-            self._buffer = deque(fresh)
-            self._dropped += dropped
-            self.stats.dropped += dropped
-            self._fill()
+    async def _next_batch(self) -> tuple[list[_Ready], float]:
+        """Wait for the due groups and a step's budget; returns the batch and the due wait.
 
-    async def _next_batch(self) -> list[_Ready]:
-        """Wait until the buffer holds a step's budget; take the oldest groups up to it."""
+        The batch is every due group (started at ``<= step - max_staleness``) plus the oldest
+        others up to the budget. The due wait is the time spent waiting while a due group was
+        still running (the price of the staleness rule).
+        """
+        floor = self.trainer.step - self.max_staleness
+        due_wait = 0.0
         while True:
             if self._failure is not None:
                 raise self._failure
-            self._drop_stale()
-            if self._buffered() >= self._budget:
+            running_due = any(v <= floor for v in self._started_at.values())
+            if self._buffered() >= self._budget and not running_due:
                 break
             self._arrived.clear()
+            t = time.perf_counter()
             await self._arrived.wait()
-        batch: list[_Ready] = []
-        taken = 0
-        while taken < self._budget:
-            r = self._buffer.popleft()
+            due_wait += (time.perf_counter() - t) if running_due else 0.0
+        batch = [r for r in self._buffer if r.start <= floor]
+        rest = deque(r for r in self._buffer if r.start > floor)
+        taken = sum(1 if self.tokens_per_step is None else r.tokens for r in batch)
+        while rest and taken < self._budget:
+            r = rest.popleft()
             batch.append(r)
             taken += 1 if self.tokens_per_step is None else r.tokens
+        self._buffer = rest
+        for r in batch:  # the invariant the rule keeps (see the module docstring)
+            assert r.oldest is None or r.oldest >= floor, (r.index, r.oldest, floor)
         self.stats.trained += len(batch)
+        self.stats.due += sum(r.start <= floor for r in batch)
         self._fill()
-        return batch
+        return batch, due_wait
 
     async def _step(self) -> dict[str, float]:
         t = self.trainer
         t0 = time.perf_counter()
         inflight = len(self._inflight)
-        batch = sorted(await self._next_batch(), key=lambda r: r.index)  # task order
+        batch, due_wait = await self._next_batch()
+        batch.sort(key=lambda r: r.index)  # task order
         t_wait = time.perf_counter() - t0
         groups = [r.group for r in batch]
         metrics = rollout_metrics(groups, success_threshold=t.config.rollout.success_threshold)
         metrics.update(staleness_metrics(groups, t.step, self.max_staleness))
-        metrics["staleness/dropped_groups"], self._dropped = float(self._dropped), 0
+        metrics["staleness/due_groups"] = float(
+            sum(r.start <= t.step - self.max_staleness for r in batch)
+        )
+        metrics["pipeline/due_wait_s"] = due_wait
         metrics["rollout/response_tokens"] = float(sum(r.tokens for r in batch))
         metrics["pipeline/inflight_groups"] = float(inflight)  # when the step began to wait
         metrics["pipeline/buffered_groups"] = float(len(self._buffer))  # left after taking
@@ -253,6 +292,7 @@ class Pipeline:
         try:
             await t.rollout.interrupt()
             metrics["time/sync_s"] = await t.sync_weights()
+            self._served, self._taken_before_served = t.step, self.stats.trained
         finally:
             await t.rollout.release()
         t._write_trajectories(trajs, advs)
@@ -278,6 +318,7 @@ class Pipeline:
         # cancelled groups stay in _inflight; one that finished meanwhile moved to the buffer
         self.stats.unfinished = len(self._inflight) + len(self._buffer)
         self._inflight.clear()
+        self._started_at.clear()
         self._buffer.clear()
 
 

@@ -12,6 +12,8 @@ Partial rollouts: :meth:`RolloutEngine.interrupt` closes a gate and aborts (or p
 requests in flight; each keeps the tokens it sampled with their log-probs and weight versions,
 and after :meth:`RolloutEngine.release` it continues from prompt + partial output on whatever
 weights the engine serves then. An episode can span several versions; every token keeps its own.
+``release`` lets the turns re-send while the server is still paused, so that the server finds
+them all queued when it continues and prefills them in one batch.
 """
 
 from __future__ import annotations
@@ -162,6 +164,11 @@ def _pausable(client: object) -> _Pausable | None:
     return None
 
 
+_RESEND_YIELDS = 100
+"""Most event-loop turns that :meth:`RolloutEngine.release` waits for the turns at the gate to
+pass it (they all wake in one turn; the bound only guards against a stuck one)."""
+
+
 def _attempt_seed(seed: int | None, attempt: int) -> int | None:
     """The sampling seed of a turn's ``attempt``-th request (0: the turn's own seed).
 
@@ -199,6 +206,7 @@ class RolloutEngine:
         self._token_text: dict[int, str] = {}
         self._gate = asyncio.Event()
         self._gate.set()
+        self._at_gate = 0  # turns waiting at the closed gate to send a request
         self._epoch = 0  # bumped by every interrupt(); a request of an older epoch resumes
         self._paused = False
 
@@ -346,7 +354,12 @@ class RolloutEngine:
         versions: list[int] = []
         attempt = 0
         while True:
-            await self._gate.wait()  # no request starts while weights are being swapped
+            if not self._gate.is_set():  # no request starts while weights are being swapped
+                self._at_gate += 1
+                try:
+                    await self._gate.wait()
+                finally:
+                    self._at_gate -= 1
             epoch = self._epoch
             rid[0] = turn_id if attempt == 0 else f"{turn_id}.r{attempt}"
             out = await self.client.generate(
@@ -406,15 +419,23 @@ class RolloutEngine:
     async def release(self) -> None:
         """Let generation continue (on the new weights) after :meth:`interrupt`.
 
-        The gate opens even if ``continue_generation`` fails (the error propagates).
+        The gate opens first, while the server is still paused: the interrupted turns re-send
+        at once and queue there, so that ``continue_generation`` finds them all and prefills
+        them in one batch instead of one by one as they arrive. The gate opens even if
+        ``continue_generation`` fails (the error propagates).
         """
         pausable = _pausable(self.client)
+        self._gate.set()
         try:
             if self._paused and pausable is not None:
+                for _ in range(_RESEND_YIELDS):  # until every waiting turn has sent its request
+                    if not self._at_gate:
+                        break
+                    await asyncio.sleep(0)
+                await asyncio.sleep(0)  # (and the last one's client got past its own awaits)
                 await pausable.continue_generation()
         finally:
             self._paused = False
-            self._gate.set()
 
     async def _abort_quietly(self, rid: str) -> None:
         try:

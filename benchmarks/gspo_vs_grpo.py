@@ -38,7 +38,7 @@ def one_run(loss: str, seed: int, steps: int, env: str | None, threads: int) -> 
     tree = copy.deepcopy(PRESETS["cpu-tiny"])
     tree.update(seed=seed, name=f"{loss}-s{seed}", out_dir=tempfile.mkdtemp())
     tree["learner"]["loss"] = loss
-    tree["train"].update(steps=steps, eval_every=5, max_wall_s=None)
+    tree["train"].update(steps=steps, eval_every=5, max_wall_s=None, max_staleness=0)
     if env is not None:  # e.g. arith-v0: the same task without the math-verify dependency
         tree["env"] = {"id": env, "num_eval_tasks": tree["env"]["num_eval_tasks"]}
     summary = asyncio.run(Trainer(load_config(tree)).run())

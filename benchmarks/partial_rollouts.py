@@ -21,13 +21,23 @@ Runs, each for the same number of trained response tokens, repeated ``--rounds``
   train, then push weights);
 - ``overlap-k``: ``agentrl.pipeline`` with ``max_staleness = k``, partial rollouts, a token
   budget per step equal to the expected tokens of ``tasks_per_step`` groups, and
-  ``2 x tasks_per_step`` groups in flight.
+  ``2 x tasks_per_step`` groups in flight. A step waits for the groups that would otherwise
+  outlive the staleness bound (nothing is dropped), so at ``max_staleness=1`` a step can
+  train more than its budget (every group started before the last weight update).
+
+Each run trains ``--tokens`` (30k: ~17 synchronous steps). Much shorter runs favour a rule
+that leaves stragglers running: the work spent on groups still in flight or buffered at the
+end counts in the wall time but not in the trained tokens, and a short run trains the short
+episodes first.
 
 Reported: trained trajectories per minute, trained tokens per second, the server's idle share
 (no request open) and mean open requests, the learner's idle share (wall time outside
-``learner.step``), dropped groups and the token staleness histogram. The last line is one JSON
-object; ``speedup`` is the median over rounds of the last ``--staleness`` run's trained-token
-throughput over the sync run's of the same round (paired, so that load drifts cancel).
+``learner.step``), the mean trained episode length (against the workload's mean: a rule that
+drops or restarts long episodes would show here), the groups trained at the last version the
+staleness window allowed and the learner's wait for them, and the token staleness histogram.
+The last line is one JSON object; ``speedup`` is the median over rounds of the last
+``--staleness`` run's trained-token throughput over the sync run's of the same round (paired,
+so that load drifts cancel).
 
 Usage: ``python benchmarks/partial_rollouts.py [--rounds 2] [--staleness 1 4]``
 """
@@ -192,6 +202,7 @@ def start_server() -> tuple[subprocess.Popen[str], str]:
 
 def make_trainer(url: str, run_dir: str, args: argparse.Namespace, staleness: int) -> Trainer:
     train: dict[str, Any] = {"steps": 10**6, "tasks_per_step": args.tasks, "eval_every": 0}
+    train["max_staleness"] = staleness
     if staleness:
         expected = args.tasks * args.group * mean_length()
         train |= {"max_staleness": staleness, "tokens_per_step": int(expected)}
@@ -280,7 +291,8 @@ async def measure(url: str, args: argparse.Namespace, staleness: int, target: fl
         "server_idle": idle,
         "server_mean_open": mean_open,
         "learner_idle": 1 - train_s / wall,
-        "dropped_groups": int(sum(m.get("staleness/dropped_groups", 0) for m in steps)),
+        "due_groups": int(sum(m.get("staleness/due_groups", 0) for m in steps)),
+        "due_wait_s": sum(m.get("pipeline/due_wait_s", 0.0) for m in steps),
         "resumed_episodes": int(sum(m.get("staleness/resumed_episodes", 0) for m in steps)),
         "hist": {str(k): round(v, 4) for k, v in sorted(hist.items())},
     }
@@ -310,7 +322,9 @@ def pooled(runs: list[dict]) -> dict:
         "server_idle": sum(r["server_idle"] * r["wall_s"] for r in runs) / wall,
         "server_mean_open": sum(r["server_mean_open"] * r["wall_s"] for r in runs) / wall,
         "learner_idle": sum(r["learner_idle"] * r["wall_s"] for r in runs) / wall,
-        "dropped_groups": sum(r["dropped_groups"] for r in runs),
+        "mean_len": tokens / sum(r["trajectories"] for r in runs),
+        "due_groups": sum(r["due_groups"] for r in runs),
+        "due_wait_s": sum(r["due_wait_s"] for r in runs),
         "hist": {s: round(v, 4) for s, v in hist.items()},
     }
 
@@ -335,14 +349,15 @@ async def main(args: argparse.Namespace) -> None:
     rows = [pooled(mode_runs) for mode_runs in runs.values()]
     print(
         f"{'mode':<11} {'steps':>5} {'traj':>5} {'tokens':>7} {'wall s':>7} {'traj/min':>9} "
-        f"{'tok/s':>7} {'srv idle':>8} {'srv open':>8} {'lrn idle':>8} {'dropped':>7}  staleness"
+        f"{'tok/s':>7} {'srv idle':>8} {'srv open':>8} {'lrn idle':>8} {'mean len':>8} "
+        f"{'due':>4} {'due wait':>8}  staleness"
     )
     for r in rows:
         print(
             f"{r['mode']:<11} {r['steps']:>5} {r['trajectories']:>5} {r['tokens']:>7} "
             f"{r['wall_s']:>7.1f} {r['traj_per_min']:>9.0f} {r['tokens_per_s']:>7.0f} "
             f"{r['server_idle']:>8.1%} {r['server_mean_open']:>8.1f} {r['learner_idle']:>8.1%} "
-            f"{r['dropped_groups']:>7}  {r['hist']}"
+            f"{r['mean_len']:>8.1f} {r['due_groups']:>4} {r['due_wait_s']:>8.1f}  {r['hist']}"
         )
     speedups = {mode: round(statistics.median(v), 3) for mode, v in ratios.items()}
     headline = f"overlap-{args.staleness[-1]}"
@@ -355,7 +370,9 @@ async def main(args: argparse.Namespace) -> None:
         "tokens_per_s": {r["mode"]: round(r["tokens_per_s"], 1) for r in rows},
         "server_idle": {r["mode"]: round(r["server_idle"], 3) for r in rows},
         "learner_idle": {r["mode"]: round(r["learner_idle"], 3) for r in rows},
-        "dropped_groups": {r["mode"]: r["dropped_groups"] for r in rows},
+        "mean_len": {r["mode"]: round(r["mean_len"], 1) for r in rows},
+        "due_groups": {r["mode"]: r["due_groups"] for r in rows},
+        "due_wait_s": {r["mode"]: round(r["due_wait_s"], 2) for r in rows},
         "staleness_hist": {r["mode"]: r["hist"] for r in rows},
         "workload": {
             "turn_tokens": args.turn_tokens,
@@ -388,7 +405,7 @@ if __name__ == "__main__":
     parser.add_argument("--tool-latency", type=float, default=0.0, help="seconds per tool call")
     parser.add_argument("--inflight", type=int, default=0, help="groups in flight (0: 2 x tasks)")
     parser.add_argument("--rounds", type=int, default=2, help="sync/overlapped repetitions")
-    parser.add_argument("--tokens", type=float, default=8000, help="trained tokens per run")
+    parser.add_argument("--tokens", type=float, default=30000, help="trained tokens per run")
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 4])
     torch.set_num_threads(1)
     asyncio.run(main(parser.parse_args()))

@@ -90,6 +90,23 @@ async def test_greedy_picks_the_argmax_of_teacher_forced_logits(engine):
         assert max_err(out.logprobs, plain) < TOL
 
 
+async def test_arrivals_together_prefill_in_one_forward_with_the_same_logprobs(engine):
+    # Requests queued before a step (the re-sends after a weight update) are prefilled in one
+    # left-padded forward; each row must compute what it computes alone (float32: 1e-5).
+    prompts = [[1, *range(10, 10 + n)] for n in (3, 40, 17, 1, 64, 8)]
+    alone = [await engine.generate(p, sp(6, 0.0)) for p in prompts]
+    before = engine.prefill_stats()
+    assert before["steps"] == len(prompts) and before["requests"] == len(prompts)
+    together = await asyncio.gather(*(engine.generate(p, sp(6, 0.0)) for p in prompts))
+    after = engine.prefill_stats()
+    assert after["steps"] - before["steps"] == 1
+    assert after["requests"] - before["requests"] == len(prompts)
+    assert after["tokens"] - before["tokens"] == sum(map(len, prompts))
+    for a, b in zip(alone, together, strict=True):
+        assert a.output_ids == b.output_ids
+        assert max_err(a.logprobs, b.logprobs) < 1e-5
+
+
 async def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     prompt = [1, 70, 71, 72]
     alone = await engine.generate(prompt, sp(20, seed=7))
@@ -153,6 +170,46 @@ async def test_abort_one_returns_partial_output_and_others_continue(engine, teac
     await engine.abort()  # all
     y, z = await tasks["y"], await tasks["z"]
     assert y.finish_reason == z.finish_reason == "abort"
+
+
+async def in_flight_step(engine: LocalEngine, rid: str, n: int) -> int:
+    """Wait until ``rid`` has ``n`` tokens and is in a step being computed; its token count.
+
+    The step runs in the worker thread while the event loop polls, so between this return and
+    the caller's next ``await`` that step is still in flight.
+    """
+    async with asyncio.timeout(20):
+        while True:
+            req = engine._batcher.requests.get(rid)  # (internals: the step's membership)
+            if req is not None and len(req.output_ids) >= n and id(req) in engine._batcher.stepping:
+                return len(req.output_ids)
+            await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("how", ["abort", "pause"])
+async def test_abort_during_a_step_keeps_the_token_it_samples(engine, teacher_logprobs, how):
+    # SGLang stops a running request after at most one more decode step and returns every
+    # token: the token of the step in flight is kept, with its log-prob and version.
+    prompt = [1, 50, 51, 52]
+    task = asyncio.create_task(engine.generate(prompt, sp(600), rid="k"))
+    other = asyncio.create_task(engine.generate([1, 7], sp(600), rid="o"))
+    before = await in_flight_step(engine, "k", 6)
+    if how == "abort":
+        await engine.abort("k")
+    else:
+        assert await engine.pause("abort") == 0  # returns once the step in flight is applied
+        assert task.done() and other.done()
+    out = await task
+    assert out.finish_reason == "abort" and out.meta["finish_message"] == "Aborted"
+    assert len(out.output_ids) == before + 1
+    assert out.versions == [0] * (before + 1)
+    assert max_err(out.logprobs, teacher_logprobs(engine.model, prompt, out.output_ids)) < TOL
+    if how == "pause":
+        await engine.resume()
+    else:
+        assert not other.done()
+        await engine.abort("o")
+    assert (await other).finish_reason == "abort"
 
 
 async def test_abort_in_waiting_queue(tiny):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 from agentrl.env import Env, StepResult
 from agentrl.inference.client import SGLangClient
 from agentrl.inference.engine import LocalEngine
+from agentrl.inference.server import serve
 from agentrl.inference.sglang_api import parse_weight_version
 from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.tiny import build_tiny
@@ -136,6 +139,59 @@ async def test_interrupted_turn_resumes_on_new_weights(models, wrapper) -> None:
     check_logprobs(t, {0: models[0], 1: models[1]})
     v0, v1 = teacher(models[0], t.tokens), teacher(models[1], t.tokens)
     assert max(abs(a - b) for a, b in zip(v0[n:], v1[n:], strict=True)) > 0.1  # distinguishable
+
+
+@pytest.mark.parametrize("http", [False, True])
+async def test_resumed_turns_are_prefilled_in_one_batch(models, http) -> None:
+    # After a weight update every interrupted turn re-sends prompt + partial output; release()
+    # lets them queue while the engine is still paused, so one forward prefills them all.
+    # ``http``: the engine behind agentrl's SGLang server on its own event loop in a thread of
+    # this process (so that its counts can be read), as in ``agentrl serve``.
+    engine = LocalEngine(build_tiny(seed=0)[0], build_tiny()[1], max_batch_size=8)
+    if http:
+        loop, urls = asyncio.new_event_loop(), queue.Queue[str]()
+        stop = asyncio.Event()
+        thread = threading.Thread(
+            target=loop.run_until_complete,
+            args=(serve(engine, port=0, on_ready=urls.put, stop=stop),),
+        )
+        thread.start()
+        inner: Any = SGLangClient([await asyncio.to_thread(urls.get, timeout=20)])
+    else:
+        inner = engine
+    client = Recording(inner)
+    rollout = RolloutEngine(client, engine.tokenizer, one_turn_config(group_size=6))
+    task = Task(id="batch", prompt="Count.", data={"turns": 1})
+    running = asyncio.create_task(rollout.run_groups(Turns, [task]))
+    rids = [f"batch#{i}@{5 + i}/t0" for i in range(6)]
+    async with asyncio.timeout(20):
+        while min(engine.num_output_tokens(r) or 0 for r in rids) < 4:
+            await asyncio.sleep(0.001)
+    await rollout.interrupt()
+    update = engine.update_weights_from_state_dict(models[1].state_dict(), 1)
+    if http:
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(update, loop))
+    else:
+        await update
+    before = engine.prefill_stats()
+    await rollout.release()
+    (group,) = await running
+    after = engine.prefill_stats()
+    if http:
+        await inner.aclose()
+        loop.call_soon_threadsafe(stop.set)
+        await asyncio.to_thread(thread.join, 20)
+        loop.close()
+    else:
+        await engine.aclose()
+    resent = [call for call in client.calls if call[0].endswith(".r1")]
+    assert len(resent) == 6
+    assert after["steps"] - before["steps"] == 1
+    assert after["requests"] - before["requests"] == 6
+    assert after["tokens"] - before["tokens"] == sum(len(ids) for _, ids, _ in resent)
+    for t in group.trajectories:
+        assert t.info == {"interruptions": 1, "resumes": 1}
+        check_logprobs(t, {0: models[0], 1: models[1]})
 
 
 async def test_many_interruptions_lose_and_duplicate_nothing(models) -> None:

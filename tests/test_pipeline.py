@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,30 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def test_max_staleness_zero_is_the_synchronous_loop(tmp_path: Path) -> None:
-    asyncio.run(Trainer(load_config(run_config(tmp_path / "sync"))).run())
+    """``max_staleness=0`` (the default is 1) is the synchronous trainer, step for step."""
+    assert load_config(run_config(tmp_path / "default")).train.max_staleness == 1
     asyncio.run(Trainer(load_config(run_config(tmp_path / "zero", max_staleness=0))).run())
-    sync, zero = records(tmp_path / "sync"), records(tmp_path / "zero")
+
+    async def synchronous() -> list[dict[str, Any]]:
+        """The synchronous trainer's schedule, driven through its step API."""
+        trainer = Trainer(load_config(run_config(tmp_path / "hand", max_staleness=0)))
+        try:
+            await trainer.sync_weights()
+            out = [{"step": 0, **await trainer.cold_start(), **await trainer.evaluate()}]
+            for _ in range(3):
+                metrics = await trainer.train_step()
+                if trainer.step == 2:  # eval_every=2, and not at the last step
+                    metrics.update(await trainer.evaluate())
+                out.append({"step": trainer.step, **metrics})
+            out.append({"step": trainer.step, **await trainer.evaluate()})
+        finally:
+            await trainer.client.aclose()
+        return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in out]
+
+    zero = records(tmp_path / "zero")
     assert [r["step"] for r in zero] == [0, 1, 2, 3, 3]
-    assert zero == sync
-    assert not any(k.startswith("staleness/") for r in zero for k in r)
+    assert zero == asyncio.run(synchronous())
+    assert not any(k.startswith(("staleness/", "pipeline/")) for r in zero for k in r)
 
 
 def test_overlapped_run_reports_staleness(tmp_path: Path) -> None:
@@ -61,11 +80,13 @@ def test_overlapped_run_reports_staleness(tmp_path: Path) -> None:
     steps = [r for r in records(tmp_path) if "rollout/episodes" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
-        assert r["rollout/episodes"] == 24  # tasks_per_step complete groups of 4
+        # tasks_per_step complete groups of 4: admission keeps the due groups within it
+        assert r["rollout/episodes"] == 24
         assert r["staleness/hist_0"] + r["staleness/hist_1"] == pytest.approx(1.0)
         assert r["staleness/max"] <= 1 and r["staleness/version_spread"] <= 1
         assert r["staleness/old_token_frac"] == pytest.approx(r["staleness/hist_1"])
-        assert r["staleness/dropped_groups"] >= 0
+        assert 0 <= r["staleness/due_groups"] <= r["rollout/episodes"] / 4
+        assert r["pipeline/due_wait_s"] >= 0
         assert r["staleness/resumed_episodes"] <= r["staleness/interrupted_episodes"] <= 24
     # step 2's batch was generated (at least partly) while step 1 trained: overlap happened
     assert sum(r["staleness/old_token_frac"] for r in steps) > 0
@@ -92,28 +113,45 @@ class Turns(Env):
         return StepResult([Message(role="user", content="go on")])
 
 
-def test_every_group_is_trained_dropped_or_unfinished(tmp_path: Path) -> None:
-    """A long group outlives the staleness window and is dropped; nothing is lost or repeated."""
-    cfg = run_config(tmp_path, max_staleness=1, tasks_per_step=2, max_inflight_groups=3)
+@pytest.mark.parametrize("tokens_per_step", [None, 60])
+def test_long_group_is_waited_for_and_nothing_is_lost_or_repeated(
+    tmp_path: Path, tokens_per_step: int | None
+) -> None:
+    """A group that spans many versions is trained when due, once; every group is accounted.
+
+    With ``tokens_per_step=60`` a step needs 5 of the short groups (2 x 6 tokens), more than
+    the 4 that ``(max_staleness + 1) * tasks_per_step`` admits: the loop must not starve.
+    """
+    cfg = run_config(
+        tmp_path,
+        max_staleness=1,
+        tasks_per_step=2,
+        max_inflight_groups=3,
+        tokens_per_step=tokens_per_step,
+    )
     cfg["rollout"] = {
         "group_size": 2,
-        "max_turns": 16,
+        "max_turns": 24,
         "max_new_tokens": 6,
-        "max_total_tokens": 600,
+        "max_total_tokens": 800,
         "ignore_eos": True,
     }
     trainer = Trainer(load_config(cfg))
-    # task 1 takes 16 turns, the others 1: its group spans many weight versions
+    # the first task of the (seeded, shuffled) stream takes 24 turns, the others 1: the other
+    # groups finish many times over meanwhile
+    order = list(range(200))
+    random.Random(cfg["seed"] * 7919).shuffle(order)  # the trainer's epoch-0 task order
     trainer.train_tasks = [
-        Task(id=f"t{i}", prompt=f"Say {i}.", data={"turns": 16 if i == 1 else 1})
+        Task(id=f"t{i}", prompt=f"Say {i}.", data={"turns": 24 if i == order[0] else 1})
         for i in range(200)
     ]
+    long_id = f"t{order[0]}"
     trainer.make_env = Turns  # type: ignore[method-assign]
-    trained: list[Group] = []
+    batches: list[list[Group]] = []
     training_batch = trainer._training_batch
 
     def spy(groups: list[Group]) -> Any:
-        trained.extend(groups)
+        batches.append(list(groups))
         return training_batch(groups)
 
     trainer._training_batch = spy  # type: ignore[method-assign]
@@ -121,26 +159,35 @@ def test_every_group_is_trained_dropped_or_unfinished(tmp_path: Path) -> None:
 
     async def run() -> list[dict[str, float]]:
         out = []
-        async with aclosing(pipeline.steps()) as steps:
+        async with asyncio.timeout(60), aclosing(pipeline.steps()) as steps:
             async for metrics in steps:
                 out.append(metrics)
-                if len(out) == 12:
+                if len(out) == 8:
                     break
         return out
 
     metrics = asyncio.run(run())
     stats = pipeline.stats
-    assert stats.started == stats.trained + stats.dropped + stats.unfinished
-    assert stats.trained == len(trained) == 24
-    assert stats.dropped == sum(m["staleness/dropped_groups"] for m in metrics) >= 1
+    trained = [g for batch in batches for g in batch]
+    assert stats.started == stats.trained + stats.unfinished
+    assert stats.trained == len(trained) >= 8 * 2
     ids = [g.task.id for g in trained]
-    assert len(set(ids)) == len(ids) and "t1" not in ids  # the long group never trained
+    assert len(set(ids)) == len(ids)  # no group twice
+    # every started task is trained or unfinished: the first `started` tasks of the stream
+    assert set(ids) <= {f"t{i}" for i in order[: stats.started]}
+    (step,) = [i for i, batch in enumerate(batches) if any(g.task.id == long_id for g in batch)]
+    # it started at version 0, so it was due at learner version 1: that step waited for it
+    assert step == 1 and metrics[1]["pipeline/due_wait_s"] > 0
+    assert metrics[1]["staleness/due_groups"] >= 1
+    assert stats.due == sum(m["staleness/due_groups"] for m in metrics)
     for g in trained:
         assert [t.group_index for t in g.trajectories] == [0, 1]
         assert all(not t.failed for t in g.trajectories)
-    for step, m in enumerate(metrics):
-        assert m["staleness/max"] <= 1, (step, m)
-    assert trainer.step == 12 and trainer.client.weight_version == 12  # type: ignore[attr-defined]
+    (long,) = [g for g in trained if g.task.id == long_id]
+    assert all(t.num_response_tokens == 24 * 6 for t in long.trajectories)
+    for m in metrics:
+        assert m["staleness/max"] <= 1
+    assert trainer.step == 8 and trainer.client.weight_version == 8  # type: ignore[attr-defined]
     assert not trainer.client.paused  # type: ignore[attr-defined]
 
 

@@ -57,7 +57,7 @@ CONFIG: dict[str, Any] = {  # guess-v0: multi-turn, so episodes have assistant a
     "rollout": {"group_size": 8, "max_turns": 3, "max_new_tokens": 4, "max_total_tokens": 160},
     "cold_start": {"steps": 40, "lr": 2e-3, "batch_size": 32},
     "learner": {"lr": 5e-5, "num_minibatches": 2},
-    "train": {"steps": STEPS, "tasks_per_step": 4, "eval_every": 2},
+    "train": {"steps": STEPS, "tasks_per_step": 4, "eval_every": 2, "max_staleness": 0},
 }
 
 

@@ -28,7 +28,13 @@ def tiny_run(run_dir: Path, **sections) -> dict:
         "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
         "cold_start": {"steps": 40, "lr": 2e-3, "batch_size": 32},
         "learner": {"lr": 1e-4, "num_minibatches": 2},
-        "train": {"steps": 4, "tasks_per_step": 8, "eval_every": 2, "checkpoint_every": 2},
+        "train": {
+            "steps": 4,
+            "tasks_per_step": 8,
+            "eval_every": 2,
+            "checkpoint_every": 2,
+            "max_staleness": 0,  # the synchronous loop: exact resume, engine == learner
+        },
     }
     for k, v in sections.items():
         base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
@@ -127,7 +133,7 @@ def addition_run(run_dir: Path, shuffle: bool) -> dict:
         },
         "advantages": {"shuffle_rewards": shuffle},
         "learner": {"lr": 1e-4, "num_minibatches": 4},
-        "train": {"steps": 12, "tasks_per_step": 32, "eval_every": 0},
+        "train": {"steps": 12, "tasks_per_step": 32, "eval_every": 0, "max_staleness": 0},
     }
 
 

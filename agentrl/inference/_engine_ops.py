@@ -255,11 +255,26 @@ class Request:
     versions: list[int] = field(default_factory=list)
     running: bool = False
     num_retractions: int = 0
+    aborted: str | None = None  # abort message, pending until the step in flight is applied
     start: float = field(default_factory=time.perf_counter)
 
     @property
     def done(self) -> bool:
         return self.future.done()
+
+
+@dataclass
+class PrefillStats:
+    """Counts of prefill forwards: how well arrivals are batched."""
+
+    steps: int = 0
+    requests: int = 0
+    tokens: int = 0
+
+    def add(self, joining: list[Request]) -> None:
+        self.steps += 1
+        self.requests += len(joining)
+        self.tokens += sum(len(r.prompt) + len(r.output_ids) for r in joining)
 
 
 @dataclass
@@ -299,12 +314,15 @@ class Batcher:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.batch: BatchCache | None = None
+        self.stepping: set[int] = set()  # ids of the requests in the step being computed
+        self.prefills = PrefillStats()
 
     def reset(self) -> None:
         """Drop every request and the cache (their event loop is gone)."""
         self.requests.clear()
         self.waiting.clear()
         self.running, self.batch = [], None
+        self.stepping = set()
 
     def submit(self, req: Request) -> None:
         self.requests[req.rid] = req
@@ -346,7 +364,13 @@ class Batcher:
         self.forget(req)
         req.future.set_result(self.output(req, reason, matched, message))
 
-    def abort_matching(self, rid: str | None, *, prefix: bool) -> int:
+    def abort_matching(self, rid: str | None, *, prefix: bool, defer: bool = True) -> int:
+        """Abort the open requests matching ``rid`` (all for ``None``); returns how many.
+
+        A request in the step being computed finishes when that step is applied, with the token
+        it samples there (SGLang stops a running request after at most one more decode step and
+        returns every token); ``defer=False`` finishes it now and drops that token.
+        """
         if rid == "":
             return 0  # SGLang ignores an empty rid without abort_all
         targets = [
@@ -355,9 +379,11 @@ class Batcher:
             if rid is None or key == rid or (prefix and key.startswith(rid))
         ]
         for req in targets:
-            self.finish(
-                req, "abort", message="Aborted" if req.running else "Abort in waiting queue"
-            )
+            message = "Aborted" if req.running else "Abort in waiting queue"
+            if defer and id(req) in self.stepping:
+                req.aborted = "Aborted"
+            else:
+                self.finish(req, "abort", message=message)
         return len(targets)
 
     def retract(self) -> None:
@@ -384,6 +410,9 @@ class Batcher:
             self.running, self.batch = [], None  # free the cache of finished rows
             return None
         kept = keep if len(keep) < len(self.running) else None
+        self.stepping = {id(r) for r in decode + joining}
+        if joining:
+            self.prefills.add(joining)
         return StepPlan(kept, decode, joining, self.version())
 
     def compute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
@@ -408,9 +437,10 @@ class Batcher:
     def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
         """Record one token per row and finish the requests that stop or reach their length."""
         self.running = plan.decode + plan.admit  # the batch's row order
+        self.stepping = set()
         for req, token, logprob in zip(self.running, tokens, logprobs, strict=True):
             req.running = True
-            if req.done:  # aborted while the step ran: the extra token is dropped
+            if req.done:  # cancelled (or force-aborted) while the step ran
                 continue
             req.output_ids.append(token)
             req.logprobs.append(logprob)
@@ -421,13 +451,18 @@ class Batcher:
                 self.finish(req, "length")
             elif len(req.prompt) + len(req.output_ids) >= self.max_model_len:
                 self.finish(req, "length")
+            elif req.aborted is not None:  # aborted while this step ran: keep its token
+                self.finish(req, "abort", message=req.aborted)
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
         """A step raised: fail its requests with a 500 and drop the (maybe inconsistent) cache."""
         reqs = plan.decode + plan.admit
+        self.stepping = set()
         logger.exception("engine step failed; failing its %d requests", len(reqs))
         for req in reqs:
-            if not req.done:
+            if req.aborted is not None:  # its caller wanted it stopped anyway
+                self.finish(req, "abort", message=req.aborted)
+            elif not req.done:
                 self.forget(req)
                 error = f"engine step failed: {exc!r}"
                 req.future.set_exception(

@@ -21,6 +21,11 @@ Design:
   once and the open requests continue on the new weights after ``resume``; otherwise it first
   drains the running batch (SGLang's behaviour). "retract" recomputes a request's KV cache with
   the weights loaded at resume time; "in_place" keeps the cache the old weights computed.
+- **Aborts keep the last token.** An abort (or ``pause("abort")``) that lands while a step is
+  being computed takes effect when that step is applied, so the request returns the token it
+  sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
+- **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
+  arriving, so the requests re-sent after a weight update are prefilled in one forward.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+RESUME_SETTLE_S = 0.002
+"""After ``resume``: the first step waits until no request arrived for this long ..."""
+RESUME_SETTLE_MAX_S = 0.05
+"""... or this long in all."""
 
 
 class LocalEngine:
@@ -109,6 +118,7 @@ class LocalEngine:
         )
         self._requests = self._batcher.requests  # open requests by rid
         self._paused = False
+        self._settle = False  # the next step first waits for arrivals to stop (after resume)
         self._draining = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -186,6 +196,11 @@ class LocalEngine:
             "max_running_requests": self.max_batch_size,
         }
 
+    def prefill_stats(self) -> dict[str, int]:
+        """Prefill forwards so far, the requests and the tokens they prefilled (cumulative)."""
+        stats = self._batcher.prefills
+        return {"steps": stats.steps, "requests": stats.requests, "tokens": stats.tokens}
+
     def num_output_tokens(self, rid: str) -> int | None:
         """Tokens generated so far by the open request ``rid`` (``None`` if not open)."""
         req = self._requests.get(rid)
@@ -232,6 +247,9 @@ class LocalEngine:
 
     async def abort(self, rid: str | None = None, *, prefix: bool = False) -> None:
         """Abort ``rid`` (or every open request when ``None``); callers get partial outputs.
+
+        As in SGLang, a request in the decode step being computed stops after that step and
+        keeps the token it samples there (with its log-prob and version); the others stop now.
 
         Args:
             rid: the request id; ``prefix=True`` matches every id starting with it (SGLang's
@@ -289,7 +307,7 @@ class LocalEngine:
     async def aclose(self) -> None:
         """Abort open requests and stop the scheduler (idempotent)."""
         self._closed = True
-        self._batcher.abort_matching(None, prefix=False)
+        self._batcher.abort_matching(None, prefix=False, defer=False)  # no step will apply
         task, self._task = self._task, None
         if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
             task.cancel()
@@ -303,9 +321,11 @@ class LocalEngine:
     async def pause(self, mode: PauseMode = "abort") -> int:
         """Stop generating; returns the number of requests left open (paused).
 
-        ``abort`` aborts every open request; ``retract`` keeps them open and recomputes their
-        KV cache at ``resume`` (with whatever weights are loaded then); ``in_place`` freezes the
-        running batch with its cache. New requests queue until ``resume``.
+        ``abort`` aborts every open request (those in the step in flight keep the token it
+        samples; the call returns once they have it); ``retract`` keeps them open and
+        recomputes their KV cache at ``resume`` (with whatever weights are loaded then);
+        ``in_place`` freezes the running batch with its cache. New requests queue until
+        ``resume``.
         """
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode: expected one of {PAUSE_MODES}, got {mode!r}")
@@ -319,9 +339,16 @@ class LocalEngine:
         return len(self._requests)
 
     async def resume(self) -> None:
-        """Continue generating after ``pause`` (SGLang's ``continue_generation``)."""
+        """Continue generating after ``pause`` (SGLang's ``continue_generation``).
+
+        The first step waits until requests stop arriving (``RESUME_SETTLE_S`` without a new
+        one, ``RESUME_SETTLE_MAX_S`` at most): after a weight update the interrupted requests
+        are re-sent together, and one batched prefill of them all is much cheaper than
+        prefilling whichever arrived first alone and the rest a step later.
+        """
         self._ensure_started()
         self._paused = False
+        self._settle = True
         self._wake.set()
 
     continue_generation = resume
@@ -397,11 +424,22 @@ class LocalEngine:
             return False
         return self._batcher.has_running() or (not self._draining and bool(self._batcher.waiting))
 
+    async def _settle_arrivals(self) -> None:
+        """Wait while requests keep arriving (see :meth:`resume`)."""
+        self._settle = False
+        deadline = asyncio.get_running_loop().time() + RESUME_SETTLE_MAX_S
+        seen = -1
+        while len(self._batcher.waiting) != seen and asyncio.get_running_loop().time() < deadline:
+            seen = len(self._batcher.waiting)
+            await asyncio.sleep(RESUME_SETTLE_S)
+
     async def _scheduler(self) -> None:
         batcher = self._batcher
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._settle and self._has_work():
+                await self._settle_arrivals()
             while self._has_work():
                 async with self._lock:
                     plan = None if self._paused else batcher.plan(admit=not self._draining)
