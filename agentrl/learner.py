@@ -45,10 +45,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -62,6 +61,7 @@ from agentrl.checkpoint import (
 )
 from agentrl.distributed import StepStats, equalize_counts, gather_dict, rank_share, shard, world
 from agentrl.errors import ConfigError
+from agentrl.learner_config import LearnerConfig
 from agentrl.logprobs import LogprobModel
 from agentrl.losses import get_loss, kl_to_reference
 from agentrl.packed_body import PackedBody, unsupported_reason
@@ -102,77 +102,6 @@ class _Prepared:
         if key not in self.built:
             self.built[key] = self.learner._build(self.samples, micro)
         return self.built[key]
-
-
-class LearnerConfig(BaseModel):
-    """Optimisation settings of the :class:`Learner`."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
-
-    lr: float = Field(1e-6, ge=0)
-    """AdamW learning rate; 0 is the sanity mode (ratios stay 1 up to numerics)."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW decoupled weight decay, on every parameter."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    grad_clip: float | None = Field(1.0, gt=0)
-    """Clip the global gradient norm to this value; ``None`` only measures it."""
-    num_minibatches: int = Field(4, ge=1)
-    """Optimizer steps per rollout batch (split in order; fewer if it has fewer sequences)."""
-    micro_batch_tokens: int = Field(8192, ge=1)
-    """Token budget of one packed micro-batch (a longer sequence gets a micro-batch alone)."""
-    loss: Literal["gspo_token", "gspo", "grpo"] = "gspo_token"
-    """Policy loss; ``gspo`` uses each sequence's mean per-token advantage."""
-    eps_low: float | None = Field(None, ge=0)
-    """Lower clip range; ``None`` takes the loss's default (3e-4 for GSPO, 0.2 for GRPO)."""
-    eps_high: float | None = Field(None, ge=0)
-    """Upper clip range; ``None`` takes the loss's default (4e-4 for GSPO, 0.28 for GRPO)."""
-    temperature: float = Field(1.0, ge=0)
-    """The engine's sampling temperature (must match it); 0, greedy, counts as 1."""
-    logprob_chunk_size: int = Field(1024, ge=1)
-    """Tokens per chunk of the head + log-softmax (peak memory grows with it)."""
-    recompute_old_logprobs: bool = False
-    """Recompute old log-probs with this model before the update instead of the engine's."""
-    tis: Literal["token", "sequence"] | None = None
-    """Truncated importance sampling against engine/trainer mismatch (needs recompute)."""
-    tis_cap: float = Field(2.0, gt=0)
-    """The cap C of the truncated importance weights."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL-to-reference term; 0 needs no reference model."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the model body (``bfloat16``: autocast, float32 master weights)."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass (less memory)."""
-    checkpoint_layers: int | None = Field(None, ge=0)
-    """Packed body only: recompute the activations of this many decoder layers (the first
-    ones), trading speed for memory layer by layer; ``None`` follows ``gradient_checkpointing``
-    (all layers or none)."""
-    selective_recompute: bool = False
-    """Packed body only: layers that are not checkpointed keep just their matmul and attention
-    outputs and recompute norms, rotary, the activation and autocast's weight copies in the
-    backward (about a third less activation memory for a few percent of time)."""
-    body: Literal["auto", "transformers", "packed"] = "auto"
-    """How the model body runs on a packed micro-batch: ``transformers`` (its own forward),
-    ``packed`` (:mod:`agentrl.packed_body`: varlen attention, fusable layers; Qwen3, Qwen2,
-    Llama, one process) or ``auto`` (packed on CUDA where supported, else transformers)."""
-    compile: bool = False
-    """``torch.compile`` the packed body's per-layer functions (fused norms, rotary, SwiGLU,
-    residual adds) and the head's log-softmax and its gradient (one pass over the logits); the
-    first micro-batches pay the compile time."""
-    head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);
-    ``auto`` follows ``dtype``."""
-    seed: int = 0
-    """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> LearnerConfig:
-        if self.tis is not None and not self.recompute_old_logprobs:
-            raise ValueError(
-                "tis: expected recompute_old_logprobs=True (the importance weight compares the "
-                "trainer's old log-probs with the engine's), got recompute_old_logprobs=False"
-            )
-        return self
 
 
 def _tis_weights(
