@@ -209,6 +209,7 @@ class Learner:
                 compile=c.compile,
                 checkpoint_layers=layers,
                 selective=c.selective_recompute,
+                tuned=c.compile_tuning,
             )
         return LogprobModel(
             model,
@@ -216,7 +217,7 @@ class Learner:
             chunk_size=c.logprob_chunk_size,
             autocast_dtype=autocast,
             head_dtype=getattr(torch, head),
-            fused_head=c.compile,
+            fused_head="tuned" if c.compile and c.compile_tuning else c.compile,
             body=body,
         )
 
@@ -449,8 +450,9 @@ class Learner:
         on_host = host.split([pre_update[i].numel() for i in keys]) if host is not None else []
         for i, trainer in zip(keys, on_host, strict=True):  # one device-to-host copy in all
             s = samples[i]
-            values = iter(trainer.tolist())
-            local[i] = [next(values) if m else 0.0 for m in s.loss_mask]
+            full = torch.zeros(len(s.loss_mask))
+            full[torch.tensor(s.loss_mask, dtype=torch.bool)] = trainer
+            local[i] = full.tolist()
             if i not in first_indices or trainer.numel() == 0:
                 continue
             engine = torch.tensor([v for v, m in zip(s.logprobs, s.loss_mask, strict=True) if m])

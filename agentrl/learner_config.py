@@ -64,6 +64,9 @@ class LearnerConfig(BaseModel):
     """``torch.compile`` the packed body's per-layer functions (fused norms, rotary, SwiGLU,
     residual adds) and the head's log-softmax and its gradient (one pass over the logits); the
     first micro-batches pay the compile time."""
+    compile_tuning: bool = False
+    """With ``compile``: let inductor tune each fused kernel's block sizes by coordinate descent
+    (a slower first compile, faster steps)."""
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);
     ``auto`` follows ``dtype``."""

@@ -96,12 +96,14 @@ def _dlogits(
 _FUSED: dict[str, Any] = {}
 
 
-def _fused(name: str) -> Any:
+def _fused(name: str, tuned: bool) -> Any:
     """The ``torch.compile``d :func:`_logprob_lse` / :func:`_dlogits`: one pass over the logits."""
-    if name not in _FUSED:
+    key = f"{name}-{tuned}"
+    if key not in _FUSED:
         fn = _logprob_lse if name == "fwd" else _dlogits
-        _FUSED[name] = torch.compile(fn, dynamic=True)
-    return _FUSED[name]
+        options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if tuned else None
+        _FUSED[key] = torch.compile(fn, dynamic=True, options=options)
+    return _FUSED[key]
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -117,7 +119,7 @@ class _HeadLogprobs(torch.autograd.Function):
         inv_t: float,
         chunk_size: int,
         head_dtype: torch.dtype,
-        fused: bool,
+        fused: bool | str,
     ) -> torch.Tensor:
         h_lo, w_lo = hidden.to(head_dtype), weight.to(head_dtype)
         b32 = None if bias is None else bias.float()
@@ -128,7 +130,7 @@ class _HeadLogprobs(torch.autograd.Function):
             e = s + chunk_size
             logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
             if fused:
-                out[s:e], lse[s:e] = _fused("fwd")(logits, targets[s:e], inv_t)
+                out[s:e], lse[s:e] = _fused("fwd", fused == "tuned")(logits, targets[s:e], inv_t)
                 continue
             if inv_t != 1.0:
                 logits *= inv_t
@@ -157,7 +159,9 @@ class _HeadLogprobs(torch.autograd.Function):
             e = s + chunk
             logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
             if ctx.fused:
-                grad = _fused("bwd")(logits, lse[s:e], g[s:e], targets[s:e], inv_t, low)
+                grad = _fused("bwd", ctx.fused == "tuned")(
+                    logits, lse[s:e], g[s:e], targets[s:e], inv_t, low
+                )
             else:  # dL/dlogits in place
                 grad = logits
                 if inv_t != 1.0:
@@ -194,7 +198,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     head_dtype: torch.dtype = torch.float32,
-    fused: bool = False,
+    fused: bool | str = False,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T / T)[target]`` per token, ``chunk_size`` tokens at a time.
 
@@ -208,7 +212,8 @@ def chunked_token_logprobs(
         head_dtype: dtype of the head matmuls' inputs (``bfloat16`` runs them at bf16 speed);
             accumulation, logits and the log-softmax stay float32 whatever it is.
         fused: run the per-chunk log-softmax and its gradient as ``torch.compile``d kernels
-            (one pass over the float32 logits instead of several; needs a compiler backend).
+            (one pass over the float32 logits instead of several; needs a compiler backend);
+            ``"tuned"`` also tunes their block sizes (coordinate descent).
 
     Returns:
         ``(n,)`` float32 log-probs, differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
@@ -239,7 +244,8 @@ class LogprobModel(nn.Module):
         autocast_dtype: run the body under ``torch.autocast`` in this dtype (the head's
             log-softmax stays float32); ``None`` runs it in the parameters' dtype.
         head_dtype: dtype of the head matmuls' inputs (float32 accumulation either way).
-        fused_head: compile the head's per-chunk log-softmax and gradient (one pass each).
+        fused_head: compile the head's per-chunk log-softmax and gradient (one pass each);
+            ``"tuned"`` also tunes the kernels.
         body: a :class:`~agentrl.packed_body.PackedBody` over ``model`` to run instead of
             transformers' forward (it reads ``lengths`` instead of a mask).
     """
@@ -252,7 +258,7 @@ class LogprobModel(nn.Module):
         chunk_size: int,
         autocast_dtype: torch.dtype | None = None,
         head_dtype: torch.dtype = torch.float32,
-        fused_head: bool = False,
+        fused_head: bool | str = False,
         body: PackedBody | None = None,
     ) -> None:
         super().__init__()

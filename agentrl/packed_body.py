@@ -10,8 +10,9 @@ same math on one packed row of sequences (``position_ids`` restarting at 0 per s
   built and no padded position is computed;
 * **each decoder layer as two functions** around the attention call (norm + projections +
   q/k-norm + rotary before it; output projection + residual + norm + SwiGLU MLP + residual after
-  it) that ``torch.compile`` fuses into a few kernels (``compile=True``). The attention kernel
-  stays outside the compiled graphs, so nothing in them depends on how the row is split;
+  it) that ``torch.compile`` fuses into a few kernels (``compile=True``); on CUDA the whole
+  layer, varlen attention included (a traceable custom op), is one graph, so a layer costs one
+  compiled call forward and one backward;
 * **activation checkpointing per layer**: the first ``checkpoint_layers`` layers recompute their
   activations in the backward (a memory budget picks a number, not all-or-nothing);
 * **selective recomputation** (``selective=True``): every other layer keeps only the outputs of
@@ -248,6 +249,8 @@ class PackedBody:
     Args:
         model: a supported transformers causal LM (:func:`unsupported_reason`).
         compile: ``torch.compile`` the per-layer functions (fused elementwise kernels).
+        tuned: with ``compile``, let inductor tune each kernel's block sizes by coordinate
+            descent (a slower first compile, faster kernels).
         checkpoint_layers: recompute the activations of this many layers (the first ones) in
             the backward.
         selective: in the other layers, keep only matmul and attention outputs and recompute
@@ -264,6 +267,7 @@ class PackedBody:
         checkpoint_layers: int = 0,
         attention: str = "auto",
         selective: bool = False,
+        tuned: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -291,9 +295,10 @@ class PackedBody:
         layer_fn = _selective_varlen_layer if selective else _varlen_layer
         self._varlen_layer: Callable[..., Any] = layer_fn
         if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
-            self._pre = torch.compile(_pre_attention, dynamic=True)
-            self._post = torch.compile(_post_attention, dynamic=True)
-            self._varlen_layer = torch.compile(layer_fn, dynamic=True)
+            options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if tuned else None
+            self._pre = torch.compile(_pre_attention, dynamic=True, options=options)
+            self._post = torch.compile(_post_attention, dynamic=True, options=options)
+            self._varlen_layer = torch.compile(layer_fn, dynamic=True, options=options)
 
     def _sdpa_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]

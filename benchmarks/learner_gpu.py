@@ -15,6 +15,7 @@ agentrl variants, each from the same initial weights (``--variants`` picks):
 * ``...+16k``: 16,384-token micro-batches instead of ``--micro-batch-tokens`` (12,288):
   fewer micro-batches are faster and need more activation memory;
 * ``...+sel``: selective recomputation (only matmul and attention outputs kept);
+* ``...+tuned``: ``compile_tuning`` (inductor's coordinate-descent tuning of the fused kernels);
 * ``...+ckpt`` / ``...+ckpt-half``: all / half of the layers checkpointed.
 
 Times are medians of ``--repeats`` updates after ``--warmup`` (5) updates: the compiled
@@ -69,6 +70,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "packed+bf16head+compile+sel": dict(FAST, selective_recompute=True),
     "packed+bf16head+compile+sel+16k": dict(
         FAST, selective_recompute=True, micro_batch_tokens=16384
+    ),
+    "packed+bf16head+compile+sel+16k+tuned": dict(
+        FAST, selective_recompute=True, micro_batch_tokens=16384, compile_tuning=True
     ),
     "packed+bf16head+compile+ckpt": dict(FAST, gradient_checkpointing=True),
     "packed+bf16head+compile+ckpt-half": dict(FAST, checkpoint_layers=-2),
