@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,16 +91,25 @@ class _Micro:
 
 
 class _Prepared:
-    """Micro-batches of one step, built on first use and kept for the step's other passes."""
+    """A lazy cache of one step's micro-batches (device tensors), built on first use.
 
-    def __init__(self, learner: Learner, samples: Sequence[TrainSample]) -> None:
-        self.learner, self.samples = learner, samples
+    Built just before its forward, a micro-batch's host-side assembly overlaps the GPU's
+    backward pass of the previous one (kernels are queued asynchronously); the recompute pass
+    and the update share each build.
+    """
+
+    def __init__(
+        self,
+        build: Callable[[Sequence[TrainSample], list[int]], _Micro],
+        samples: Sequence[TrainSample],
+    ) -> None:
+        self.build, self.samples = build, samples
         self.built: dict[tuple[int, ...], _Micro] = {}
 
     def get(self, micro: list[int]) -> _Micro:
         key = tuple(micro)
         if key not in self.built:
-            self.built[key] = self.learner._build(self.samples, micro)
+            self.built[key] = self.build(self.samples, micro)
         return self.built[key]
 
 
@@ -251,7 +260,7 @@ class Learner:
             raise ValueError("samples: expected at least one sample, got none")
         t0 = time.perf_counter()
         minibatches, micro = self._plan(samples)
-        prepared = self._prepare(samples, micro)
+        prepared = _Prepared(self._build, samples)
         stats = StepStats()
         old_trainer: dict[int, torch.Tensor] | None = None
         if self.config.recompute_old_logprobs:
@@ -302,15 +311,6 @@ class Learner:
         engine = masked_values([s.logprobs for s in sel], masks, self.device)  # (n,)
         adv = masked_values([s.advantages for s in sel], masks, self.device)  # (n,)
         return _Micro(batch, engine, adv)
-
-    def _prepare(self, samples: Sequence[TrainSample], micro: list[list[list[int]]]) -> _Prepared:
-        """A lazy cache of the step's micro-batches (device tensors), built on first use.
-
-        Built just before its forward, a micro-batch's host-side assembly overlaps the GPU's
-        backward pass of the previous one (kernels are queued asynchronously); the recompute
-        pass and the update share each build.
-        """
-        return _Prepared(self, samples)
 
     @staticmethod
     def _forward(
@@ -450,13 +450,13 @@ class Learner:
         on_host = host.split([pre_update[i].numel() for i in keys]) if host is not None else []
         for i, trainer in zip(keys, on_host, strict=True):  # one device-to-host copy in all
             s = samples[i]
+            mask = torch.tensor(s.loss_mask, dtype=torch.bool)
             full = torch.zeros(len(s.loss_mask))
-            full[torch.tensor(s.loss_mask, dtype=torch.bool)] = trainer
+            full[mask] = trainer
             local[i] = full.tolist()
             if i not in first_indices or trainer.numel() == 0:
                 continue
-            engine = torch.tensor([v for v, m in zip(s.logprobs, s.loss_mask, strict=True) if m])
-            diff = trainer - engine  # (n_i,)
+            diff = trainer - torch.tensor(s.logprobs)[mask]  # (n_i,) trainer - engine
             stats.mean("mismatch/mean_abs", diff.abs().mean().item(), diff.numel())
             stats.extreme("mismatch/max_abs", diff.abs().max().item(), high=True)
             stats.mean("mismatch/seq_log_ratio_mean", diff.mean().item(), 1.0)

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.learner import Learner, LearnerConfig, TrainSample, _Prepared
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_tokenizer, tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -108,7 +108,7 @@ def make_batch(args: argparse.Namespace, vocab: int) -> Batch:
 def samples_for(
     prompts: list[list[int]], completions: list[list[int]], advantages: list[float]
 ) -> list[TrainSample]:
-    """Train samples with placeholder engine log-probs (filled by :func:`engine_logprobs`)."""
+    """Train samples whose engine log-probs are zeros until :func:`with_engine_logprobs`."""
     out = []
     for p, c, a in zip(prompts, completions, advantages, strict=True):
         mask = [0] * len(p) + [1] * len(c)
@@ -119,7 +119,7 @@ def samples_for(
 def with_engine_logprobs(learner: Learner, samples: list[TrainSample]) -> list[TrainSample]:
     """The samples with this learner's own pre-update log-probs as the engine's (ratio 1)."""
     minibatches, micro = learner._plan(samples)
-    prepared = learner._prepare(samples, micro)
+    prepared = _Prepared(learner._build, samples)
     own = learner._recompute(samples, micro, prepared)
     out = []
     for i, s in enumerate(samples):
