@@ -14,7 +14,7 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +95,15 @@ class StepStats:
         self.sums: dict[str, float] = {}
         self.mins: dict[str, float] = {}
         self.maxs: dict[str, float] = {}
+        self._later: list[Callable[[StepStats], None]] = []
+
+    def later(self, record: Callable[[StepStats], None]) -> None:
+        """Call ``record(self)`` when the statistics are read (:meth:`merged`).
+
+        For values still on the device: reading them mid-step would make the host wait for the
+        GPU, which then idles while the host queues the next kernels.
+        """
+        self._later.append(record)
 
     def mean(self, key: str, value: float, weight: float) -> None:
         """Add ``value`` to the weighted mean ``key``."""
@@ -113,6 +122,9 @@ class StepStats:
 
     def merged(self) -> StepStats:
         """These statistics combined over all ranks (a collective under ``torch.distributed``)."""
+        pending, self._later = self._later, []
+        for record in pending:
+            record(self)
         if world()[1] == 1:
             return self
         parts: list[Any] = [None] * world()[1]

@@ -44,9 +44,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -111,6 +113,38 @@ class _Prepared:
         if key not in self.built:
             self.built[key] = self.build(self.samples, micro)
         return self.built[key]
+
+
+def _mismatch_stats(
+    batch: PackedBatch, trainer: torch.Tensor, engine: torch.Tensor, stats: StepStats
+) -> None:
+    """Trainer vs engine log-probs of one micro-batch, on the device, read at the step's end."""
+    diff = trainer.float() - engine  # (n,)
+    n = diff.numel()
+    if n == 0:
+        return
+    sums = torch.zeros(batch.num_seqs, device=diff.device).index_add(0, batch.seq_index, diff)
+    counts = torch.zeros_like(sums).index_add(0, batch.seq_index, torch.ones_like(diff))
+    seq_mean = sums / counts.clamp(min=1)  # (S,) a sequence's mean log-ratio
+    trained = counts > 0
+    values = torch.stack(
+        [
+            diff.abs().sum(),
+            diff.abs().max(),
+            torch.where(trained, seq_mean, 0.0).sum(),
+            torch.where(trained, seq_mean.abs(), 0.0).max(),
+            trained.sum(),
+        ]
+    )
+
+    def record(stats: StepStats) -> None:
+        abs_sum, abs_max, seq_sum, seq_abs_max, num_seqs = values.tolist()
+        stats.mean("mismatch/mean_abs", abs_sum / n, n)
+        stats.extreme("mismatch/max_abs", abs_max, high=True)
+        stats.mean("mismatch/seq_log_ratio_mean", seq_sum / num_seqs, num_seqs)
+        stats.extreme("mismatch/seq_log_ratio_abs_max", seq_abs_max, high=True)
+
+    stats.later(record)
 
 
 def _tis_weights(
@@ -268,13 +302,12 @@ class Learner:
             stats.extreme("perf/recompute_s", time.perf_counter() - t0, high=True)
         first: dict[int, torch.Tensor] = {}
         self.module.train()
-        for indices, micro_k in zip(minibatches, micro, strict=True):
+        for k, (indices, micro_k) in enumerate(zip(minibatches, micro, strict=True)):
             num_seqs = max(1, sum(1 for i in indices if samples[i].num_loss_tokens))
-            for m in micro_k:
-                self._micro_step(samples, m, prepared, num_seqs, old_trainer, stats, first)
+            for m in micro_k:  # mismatch metrics on the first mini-batch (before any update)
+                self._micro_step(samples, m, prepared, num_seqs, old_trainer, stats, first, k == 0)
             self._optimizer_step(stats)
-        pre_update = old_trainer if old_trainer is not None else first
-        self._record_trainer_logprobs(samples, pre_update, set(minibatches[0]), stats)
+        self._record_trainer_logprobs(samples, old_trainer if old_trainer is not None else first)
         out = stats.merged().result()
         for key in ("loss/policy", "loss/kl"):  # summed over micro-batches and ranks
             if key in out:
@@ -351,6 +384,7 @@ class Learner:
         old_trainer: dict[int, torch.Tensor] | None,
         stats: StepStats,
         first: dict[int, torch.Tensor] | None,
+        mismatch: bool = False,
     ) -> None:
         m, logprobs, zero = self._forward(self.module, prepared, micro)
         batch, engine, adv = m.batch, m.engine, m.advantages
@@ -360,11 +394,15 @@ class Learner:
         if first is not None:
             first.update(self._split(samples, micro, logprobs))
         old = torch.cat([old_trainer[i] for i in micro]) if old_trainer is not None else engine
+        if mismatch:
+            trainer = old if old_trainer is not None else logprobs.detach()
+            _mismatch_stats(batch, trainer, engine, stats)
         if self.config.tis is not None:
             w, capped = _tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
             adv = adv * w
-            stats.mean("tis/capped_frac", capped.float().mean().item(), capped.numel())
-            stats.mean("tis/weight_mean", w.mean().item(), w.numel())
+            capped_frac, w_mean, n = capped.float().mean(), w.mean(), w.numel()
+            stats.later(lambda s: s.mean("tis/capped_frac", capped_frac.item(), n))
+            stats.later(lambda s: s.mean("tis/weight_mean", w_mean.item(), n))
         loss = self._policy_loss(batch, logprobs, old, adv, num_seqs, stats)
         if self.ref is not None and self.config.kl_coef > 0:
             loss = loss + self.config.kl_coef * self._kl(batch, logprobs, num_seqs, stats)
@@ -392,16 +430,21 @@ class Learner:
             **self._eps,
             num_sequences=num_seqs,
         )
-        stats.add("loss/policy", loss.item())
-        stats.add("loss/num_tokens", float(st.num_tokens))
-        stats.mean("loss/clip_frac_tokens", st.clip_frac_tokens, st.num_tokens)
-        stats.mean("loss/approx_kl", st.approx_kl, st.num_tokens)
-        stats.mean("loss/clip_frac_seqs", st.clip_frac_seqs, st.num_seqs)
-        ratio_units = st.num_tokens if self.config.loss == "grpo" else st.num_seqs
-        stats.mean("loss/ratio_mean", st.ratio_mean, ratio_units)
-        if st.num_tokens:
-            stats.extreme("loss/ratio_min", st.ratio_min, high=False)
-            stats.extreme("loss/ratio_max", st.ratio_max, high=True)
+        value, per_token = loss.detach(), self.config.loss == "grpo"
+
+        def record(stats: StepStats) -> None:  # at the end of the step: no mid-step sync
+            stats.add("loss/policy", value.item())
+            stats.add("loss/num_tokens", float(st.num_tokens))
+            stats.mean("loss/clip_frac_tokens", st.clip_frac_tokens, st.num_tokens)
+            stats.mean("loss/approx_kl", st.approx_kl, st.num_tokens)
+            stats.mean("loss/clip_frac_seqs", st.clip_frac_seqs, st.num_seqs)
+            units = st.num_tokens if per_token else st.num_seqs
+            stats.mean("loss/ratio_mean", st.ratio_mean, units)
+            if st.num_tokens:
+                stats.extreme("loss/ratio_min", st.ratio_min, high=False)
+                stats.extreme("loss/ratio_max", st.ratio_max, high=True)
+
+        stats.later(record)
         return loss
 
     def _kl(
@@ -416,9 +459,14 @@ class Learner:
             batch.padded_mask(),
             num_sequences=num_seqs,
         )
-        stats.add("loss/kl", kl.item())
-        stats.mean("kl/token_mean", kst.kl_token_mean, kst.num_tokens)
-        stats.extreme("kl/token_max", kst.kl_token_max, high=True)
+        value = kl.detach()
+
+        def record(stats: StepStats) -> None:
+            stats.add("loss/kl", value.item())
+            stats.mean("kl/token_mean", kst.kl_token_mean, kst.num_tokens)
+            stats.extreme("kl/token_max", kst.kl_token_max, high=True)
+
+        stats.later(record)
         return kl
 
     def _optimizer_step(self, stats: StepStats) -> None:
@@ -437,30 +485,23 @@ class Learner:
         stats.extreme("loss/grad_norm_max", value, high=True)
 
     def _record_trainer_logprobs(
-        self,
-        samples: Sequence[TrainSample],
-        pre_update: dict[int, torch.Tensor],
-        first_indices: set[int],
-        stats: StepStats,
+        self, samples: Sequence[TrainSample], pre_update: dict[int, torch.Tensor]
     ) -> None:
-        """Mismatch metrics on the first mini-batch; ``last_trainer_logprobs`` for the viewer."""
+        """``last_trainer_logprobs`` (full length, 0 where nothing trains) for the viewer.
+
+        Vectorised: this host work sits between two steps, with the GPU idle.
+        """
         local: dict[int, list[float]] = {}
         keys = list(pre_update)
-        host = torch.cat([pre_update[i].float() for i in keys]).cpu() if keys else None
-        on_host = host.split([pre_update[i].numel() for i in keys]) if host is not None else []
-        for i, trainer in zip(keys, on_host, strict=True):  # one device-to-host copy in all
-            s = samples[i]
-            mask = torch.tensor(s.loss_mask, dtype=torch.bool)
-            full = torch.zeros(len(s.loss_mask))
+        if keys:
+            trainer = torch.cat([pre_update[i].float() for i in keys]).cpu().numpy()  # one copy
+            lengths = [len(samples[i].loss_mask) for i in keys]
+            flat = chain.from_iterable(samples[i].loss_mask for i in keys)
+            mask = np.fromiter(flat, dtype=bool, count=sum(lengths))
+            full = np.zeros(mask.shape[0], dtype=np.float32)
             full[mask] = trainer
-            local[i] = full.tolist()
-            if i not in first_indices or trainer.numel() == 0:
-                continue
-            diff = trainer - torch.tensor(s.logprobs)[mask]  # (n_i,) trainer - engine
-            stats.mean("mismatch/mean_abs", diff.abs().mean().item(), diff.numel())
-            stats.extreme("mismatch/max_abs", diff.abs().max().item(), high=True)
-            stats.mean("mismatch/seq_log_ratio_mean", diff.mean().item(), 1.0)
-            stats.extreme("mismatch/seq_log_ratio_abs_max", diff.mean().abs().item(), high=True)
+            rows = np.split(full, np.cumsum(lengths)[:-1])
+            local = {i: row.tolist() for i, row in zip(keys, rows, strict=True)}
         gathered = gather_dict(local)
         self.last_trainer_logprobs = [gathered.get(i) for i in range(len(samples))]
 

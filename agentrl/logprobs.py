@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from agentrl import head_kernels
 from agentrl.packed_body import PackedBody
 from agentrl.packing import PackedBatch
 
@@ -130,7 +131,10 @@ class _HeadLogprobs(torch.autograd.Function):
             e = s + chunk_size
             logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
             if fused:
-                out[s:e], lse[s:e] = _fused("fwd", fused == "tuned")(logits, targets[s:e], inv_t)
+                lse_fn = _fused("fwd", fused == "tuned")
+                if head_kernels.available(logits):
+                    lse_fn = head_kernels.logprob_lse
+                out[s:e], lse[s:e] = lse_fn(logits, targets[s:e], inv_t)
                 continue
             if inv_t != 1.0:
                 logits *= inv_t
@@ -159,9 +163,10 @@ class _HeadLogprobs(torch.autograd.Function):
             e = s + chunk
             logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
             if ctx.fused:
-                grad = _fused("bwd", ctx.fused == "tuned")(
-                    logits, lse[s:e], g[s:e], targets[s:e], inv_t, low
-                )
+                grad_fn = _fused("bwd", ctx.fused == "tuned")
+                if head_kernels.available(logits):
+                    grad_fn = head_kernels.dlogits
+                grad = grad_fn(logits, lse[s:e], g[s:e], targets[s:e], inv_t, low)
             else:  # dL/dlogits in place
                 grad = logits
                 if inv_t != 1.0:

@@ -46,6 +46,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from agentrl.packing import to_device
+
 __all__ = ["PackedBody", "unsupported_reason"]
 
 _ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
@@ -412,7 +414,7 @@ class PackedBody:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        cu = torch.tensor(offsets, dtype=torch.int32, device=ids.device)
+        cu = to_device(torch.tensor(offsets, dtype=torch.int32), ids.device)
         x = self.base.embed_tokens(ids)  # (N, H), the parameters' dtype
         cos, sin = self.base.rotary_emb(x[None], pos)  # (1, N, D) in x's dtype
         cos, sin = cos[0], sin[0]

@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
+import numpy as np
 import torch
 
 from agentrl.types import Trajectory
@@ -166,6 +168,23 @@ def pack_sequences(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def _flat(seqs: Sequence[Sequence[Any]], dtype: type, count: int) -> torch.Tensor:
+    """The concatenation of ``seqs`` as one host tensor (numpy reads lists 4x faster)."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(seqs), dtype=dtype, count=count))
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, without making the host wait for the GPU.
+
+    A plain host-to-GPU copy synchronises the stream: the host would wait for every queued
+    kernel before it can queue the next, and the GPU then idles. A copy from pinned memory is
+    queued like a kernel.
+    """
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def document_causal_mask(
     lengths: Sequence[int], attn_implementation: str, device: torch.device
 ) -> torch.Tensor | None:
@@ -178,7 +197,7 @@ def document_causal_mask(
     if len(lengths) <= 1 or attn_implementation not in _MASKED_ATTENTION:
         return None
     doc = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(list(lengths), device=device)
+        torch.arange(len(lengths), device=device), to_device(torch.tensor(list(lengths)), device)
     )  # (N,)
     n = doc.shape[0]
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
@@ -215,8 +234,8 @@ def build_packed_batch(
     if any(len(m) != n for m, n in zip(loss_masks, lengths, strict=True)):
         raise ValueError("loss_masks: expected one entry per token of each sequence")
     # vectorised on the host: this runs for every micro-batch while the GPU may be idle
-    flat = torch.tensor(list(chain.from_iterable(tokens)), dtype=torch.long)
-    mask = torch.tensor(list(chain.from_iterable(loss_masks)), dtype=torch.bool)
+    flat = _flat(tokens, np.int64, sum(lengths))
+    mask = _flat(loss_masks, np.bool_, sum(lengths))
     sizes = torch.tensor(lengths, dtype=torch.long)
     starts = torch.cumsum(sizes, 0) - sizes
     if bool(mask[starts[sizes > 0]].any()):
@@ -227,14 +246,18 @@ def build_packed_batch(
     seq = doc[where]
     counts = torch.bincount(seq, minlength=len(lengths))
     col = torch.arange(where.shape[0]) - (torch.cumsum(counts, 0) - counts)[seq]
+    parts = [flat, positions, where - 1, flat[where], seq, col]
+    ids, pos, pred, targets, seq_d, col_d = to_device(torch.cat(parts), device).split(
+        [t.shape[0] for t in parts]
+    )  # one copy
     return PackedBatch(
-        input_ids=flat.to(device)[None],
-        position_ids=positions.to(device)[None],
+        input_ids=ids[None],
+        position_ids=pos[None],
         attention_mask=document_causal_mask(lengths, attn_implementation, device),
-        pred_index=(where - 1).to(device),
-        targets=flat[where].to(device),
-        seq_index=seq.to(device),
-        col_index=col.to(device),
+        pred_index=pred,
+        targets=targets,
+        seq_index=seq_d,
+        col_index=col_d,
         num_seqs=len(tokens),
         width=max(int(counts.max()) if len(lengths) else 0, 1),
         lengths=tuple(lengths),
@@ -245,8 +268,9 @@ def masked_values(
     values: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]], device: torch.device
 ) -> torch.Tensor:
     """Per-token ``values`` at the trained positions, in :class:`PackedBatch` target order."""
-    flat = torch.tensor(list(chain.from_iterable(values)), dtype=torch.float32)
-    mask = torch.tensor(list(chain.from_iterable(loss_masks)), dtype=torch.bool)
-    if flat.shape != mask.shape:
-        raise ValueError(f"values: expected {mask.shape[0]} entries in all, got {flat.shape[0]}")
-    return flat[mask].to(device)
+    total = sum(len(v) for v in values)
+    mask = _flat(loss_masks, np.bool_, sum(len(m) for m in loss_masks))
+    if total != mask.shape[0]:
+        raise ValueError(f"values: expected {mask.shape[0]} entries in all, got {total}")
+    flat = _flat(values, np.float32, total)
+    return to_device(flat[mask], device)

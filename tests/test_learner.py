@@ -227,9 +227,19 @@ def test_recompute_and_token_tis_weights() -> None:
     # old log-probs are the trainer's: ratios are 1 although the engine's are far off
     assert m["loss/clip_frac_tokens"] == 0.0
     assert m["mismatch/max_abs"] == pytest.approx(1.0, abs=1e-5)
+    # trainer - engine is +1 on even and -0.1 on odd trained tokens (trainer = unshifted engine),
+    # measured on the first mini-batch (6 samples / 4 mini-batches: the first 2)
+    ns = [s.num_loss_tokens for s in samples[:2]]
+    seq_means = [((n + 1) // 2 - 0.1 * (n // 2)) / n for n in ns]
+    abs_sum = sum((n + 1) // 2 + 0.1 * (n // 2) for n in ns)
+    assert m["mismatch/mean_abs"] == pytest.approx(abs_sum / sum(ns), abs=1e-5)
+    assert m["mismatch/seq_log_ratio_mean"] == pytest.approx(sum(seq_means) / len(ns), abs=1e-5)
+    assert m["mismatch/seq_log_ratio_abs_max"] == pytest.approx(max(seq_means), abs=1e-5)
     learner = Learner(build_tiny()[0], LearnerConfig(lr=0.0, recompute_old_logprobs=True))
     learner.step(shifted)
-    assert all(lp is not None for lp in learner.last_trainer_logprobs)  # every sample
+    for s, full in zip(samples, learner.last_trainer_logprobs, strict=True):  # every sample
+        assert full is not None and len(full) == len(s.tokens)
+        torch.testing.assert_close(torch.tensor(full), torch.tensor(s.logprobs), atol=1e-5, rtol=0)
 
 
 def test_sequence_tis_uses_the_mean_log_ratio() -> None:
