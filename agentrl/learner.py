@@ -39,6 +39,7 @@ averaged gradient equals the single-process one. A reference model is kept whole
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import time
@@ -247,8 +248,14 @@ class Learner:
             layers = c.checkpoint_layers
             if layers is None:
                 layers = model.config.num_hidden_layers if c.gradient_checkpointing else 0
+            attention = "auto"
+            if c.attention_kernel == "triton":
+                if self.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+                    raise ConfigError("attention_kernel: 'triton' needs CUDA and Triton")
+                attention = "triton"
             body = PackedBody(
                 model,
+                attention=attention,
                 compile=c.compile,
                 checkpoint_layers=layers,
                 selective=c.selective_recompute,

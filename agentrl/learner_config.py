@@ -67,6 +67,10 @@ class LearnerConfig(BaseModel):
     compile_tuning: bool = False
     """With ``compile``: let inductor tune each fused kernel's block sizes by coordinate descent
     (a slower first compile, faster steps)."""
+    attention_kernel: Literal["flash", "triton"] = "flash"
+    """Packed body on CUDA: FlashAttention-2 (torch's varlen attention) or this project's
+    Triton kernel (:mod:`agentrl.triton_attention`: about 1.3x faster forward + backward on an
+    H100 for GQA heads of 128; needs Triton)."""
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);
     ``auto`` follows ``dtype``."""

@@ -33,6 +33,7 @@ Single process only: FSDP2's hooks fire on module forwards, which this body bypa
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -176,12 +177,20 @@ def _varlen_attention(
     scale: float,
     options: dict[str, Any],
 ) -> torch.Tensor:
-    """Causal FlashAttention over the sequences that ``cu`` (cumulative offsets) delimits."""
+    """Causal attention over the sequences that ``cu`` (cumulative offsets) delimits.
+
+    FlashAttention-2 (torch's ``varlen_attn``), or this project's Triton kernel where
+    ``options`` says ``kernel="triton"`` (:mod:`agentrl.triton_attention`).
+    """
+    dtype = v.dtype  # under autocast: the projections' low precision
+    q, k = q.to(dtype), k.to(dtype)
+    if options.get("kernel") == "triton":
+        from agentrl.triton_attention import varlen_attention
+
+        return varlen_attention(q, k, v, cu, max_len, scale, check_offsets=False)
     from torch.nn.attention.varlen import varlen_attn
 
     attend: Any = varlen_attn  # its keywords differ between torch versions
-    dtype = v.dtype  # under autocast: the projections' low precision
-    q, k = q.to(dtype), k.to(dtype)
     kwargs = dict(options)
     repeat = kwargs.pop("repeat")
     if repeat > 1:
@@ -222,6 +231,9 @@ def _saved_ops() -> set[Any]:
     if torch.cuda.is_available():
         importlib.import_module("torch.nn.attention.varlen")  # registers the torch_attn ops
         ops.add(torch.ops.torch_attn._varlen_attn.default)
+        if importlib.util.find_spec("triton") is not None:
+            importlib.import_module("agentrl.triton_attention")  # registers agentrl's ops
+            ops.add(torch.ops.agentrl.varlen_attn_fwd.default)
     return ops
 
 
@@ -257,8 +269,9 @@ class PackedBody:
             the backward.
         selective: in the other layers, keep only matmul and attention outputs and recompute
             the rest in the backward.
-        attention: ``"varlen"`` (FlashAttention, CUDA), ``"sdpa"`` (one call per sequence) or
-            ``"auto"`` (varlen on CUDA, sdpa elsewhere).
+        attention: ``"varlen"`` (FlashAttention-2, CUDA), ``"triton"`` (this project's Triton
+            kernel, :mod:`agentrl.triton_attention`; CUDA with Triton), ``"sdpa"`` (one call per
+            sequence) or ``"auto"`` (varlen on CUDA, sdpa elsewhere).
     """
 
     def __init__(
@@ -274,8 +287,8 @@ class PackedBody:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"model: the packed body does not support {reason}")
-        if attention not in ("auto", "varlen", "sdpa"):
-            raise ValueError(f"attention: expected auto, varlen or sdpa, got {attention!r}")
+        if attention not in ("auto", "varlen", "triton", "sdpa"):
+            raise ValueError(f"attention: expected auto, varlen, triton or sdpa, got {attention!r}")
         self.model = model
         base: Any = model.base_model  # transformers modules, untyped
         self.base = base
@@ -362,8 +375,10 @@ class PackedBody:
         lengths: list[int],
     ) -> torch.Tensor:
         pre, post = self._weights(i)
-        if self.attention == "varlen" or (self.attention == "auto" and x.is_cuda):
-            if self._varlen is None:
+        if self.attention in ("varlen", "triton") or (self.attention == "auto" and x.is_cuda):
+            if self._varlen is None and self.attention == "triton":
+                self._varlen = {"kernel": "triton"}  # shares KV heads itself
+            elif self._varlen is None:
                 cfg: Any = self.model.config
                 heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
                 self._varlen = _varlen_kwargs(heads, kv)

@@ -182,12 +182,18 @@ def test_body_choice_and_errors() -> None:
         Learner(gpt2, LearnerConfig(body="packed"))
     with pytest.raises(ConfigError, match="checkpoint_layers"):
         Learner(build_tiny_model(), LearnerConfig(body="transformers", checkpoint_layers=1))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="triton"):
+            Learner(build_tiny_model(), LearnerConfig(body="packed", attention_kernel="triton"))
     learner = Learner(build_tiny_model(), LearnerConfig(body="packed", gradient_checkpointing=True))
     assert learner.module.body is not None and learner.module.body.checkpoint_layers == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention, compile)")
-def test_compiled_varlen_bf16_body_is_close_to_float32_on_gpu() -> None:
+@pytest.mark.parametrize("attention", ["auto", "triton"])
+def test_compiled_varlen_bf16_body_is_close_to_float32_on_gpu(attention: str) -> None:
+    if attention == "triton":
+        pytest.importorskip("triton")
     lengths = [300, 17, 900, 64]
     seqs = _seqs(lengths, seed=5)
     masks = [[0] * 8 + [1] * (n - 8) for n in lengths]
@@ -195,7 +201,11 @@ def test_compiled_varlen_bf16_body_is_close_to_float32_on_gpu() -> None:
     for fast in (False, True):
         model = build_tiny_model(num_hidden_layers=2).cuda()
         body = (
-            PackedBody(model, compile=True, checkpoint_layers=1, selective=True) if fast else None
+            PackedBody(
+                model, compile=True, checkpoint_layers=1, selective=True, attention=attention
+            )
+            if fast
+            else None
         )
         module = LogprobModel(
             model,
