@@ -10,6 +10,9 @@ float32, ``chunk_size`` tokens at a time, as one autograd function:
   gradient ``g · (onehot(target) - softmax) / T``, then ``∂hidden = G @ W`` and ``∂W += Gᵀ @
   hidden``.
 
+With ``fused``, each pass over a chunk's logits is one kernel: :mod:`agentrl.head_kernels`
+(Triton) on CUDA, a ``torch.compile``d function elsewhere.
+
 So peak memory is about one chunk of float32 logits in either pass, whatever the batch (a
 ``checkpoint``-per-chunk version keeps three or four such buffers alive in its backward). The
 cost is one extra head matmul in the backward, as with activation checkpointing.

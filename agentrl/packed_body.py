@@ -5,9 +5,10 @@ micro-batch, one kernel per elementwise op (norms, rotary embeddings, SwiGLU, re
 casts), attention kernels that see padding or a dense block mask. :class:`PackedBody` runs the
 same math on one packed row of sequences (``position_ids`` restarting at 0 per sequence) with:
 
-* **variable-length attention** over cumulative sequence offsets: FlashAttention through
-  ``torch.nn.attention.varlen`` on CUDA, one causal ``sdpa`` per sequence elsewhere; no mask is
-  built and no padded position is computed;
+* **variable-length attention** over cumulative sequence offsets: FlashAttention-2 through
+  ``torch.nn.attention.varlen`` on CUDA (or, with ``attention="triton"``, this project's
+  kernel, :mod:`agentrl.triton_attention`), one causal ``sdpa`` per sequence elsewhere; no mask
+  is built and no padded position is computed;
 * **each decoder layer as two functions** around the attention call (norm + projections +
   q/k-norm + rotary before it; output projection + residual + norm + SwiGLU MLP + residual after
   it) that ``torch.compile`` fuses into a few kernels (``compile=True``); on CUDA the whole

@@ -246,7 +246,8 @@ def _interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_report() -> dict[str, Any]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--interpreter"],
         cwd=REPO,
