@@ -122,9 +122,7 @@ class StepStats:
 
     def merged(self) -> StepStats:
         """These statistics combined over all ranks (a collective under ``torch.distributed``)."""
-        pending, self._later = self._later, []
-        for record in pending:
-            record(self)
+        self._record_later()
         if world()[1] == 1:
             return self
         parts: list[Any] = [None] * world()[1]
@@ -141,7 +139,13 @@ class StepStats:
                 out.extreme(k, v, high=True)
         return out
 
+    def _record_later(self) -> None:
+        pending, self._later = self._later, []
+        for record in pending:
+            record(self)
+
     def result(self) -> dict[str, float]:
         """All statistics as one flat metrics dict."""
+        self._record_later()
         out = {k: s / w for k, (s, w) in self.means.items() if w > 0}
         return {**out, **self.sums, **self.mins, **self.maxs}

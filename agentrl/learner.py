@@ -124,9 +124,7 @@ def _mismatch_stats(
     n = diff.numel()
     if n == 0:
         return
-    sums = torch.zeros(batch.num_seqs, device=diff.device).index_add(0, batch.seq_index, diff)
-    counts = torch.zeros_like(sums).index_add(0, batch.seq_index, torch.ones_like(diff))
-    seq_mean = sums / counts.clamp(min=1)  # (S,) a sequence's mean log-ratio
+    seq_mean, counts = batch.sequence_means(diff)  # (S,) a sequence's mean log-ratio
     trained = counts > 0
     values = torch.stack(
         [
@@ -158,9 +156,7 @@ def _tis_weights(
     """
     log_w = trainer - engine  # (n,)
     if level == "sequence":
-        sums = torch.zeros(batch.num_seqs, device=log_w.device).index_add(0, batch.seq_index, log_w)
-        counts = torch.zeros_like(sums).index_add(0, batch.seq_index, torch.ones_like(log_w))
-        log_w = (sums / counts.clamp(min=1))[batch.seq_index]  # (n,) its sequence's mean
+        log_w = batch.sequence_means(log_w)[0][batch.seq_index]  # (n,) its sequence's mean
     raw = log_w.exp()
     return raw.clamp(max=cap), raw > cap
 

@@ -132,6 +132,15 @@ class PackedBatch:
         out = values.new_zeros(self.num_seqs, self.width)
         return out.index_put((self.seq_index, self.col_index), values)
 
+    def sequence_means(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's mean of per-target ``values`` (n,), and its target count; ``(S,)``.
+
+        A sequence with no target has mean 0.
+        """
+        sums = values.new_zeros(self.num_seqs).index_add(0, self.seq_index, values)
+        counts = torch.zeros_like(sums).index_add(0, self.seq_index, torch.ones_like(values))
+        return sums / counts.clamp(min=1), counts
+
     def padded_mask(self) -> torch.Tensor:
         """The ``(num_seqs, width)`` float mask of :meth:`to_padded`'s filled entries."""
         ones = torch.ones(self.targets.shape[0], device=self.targets.device)
