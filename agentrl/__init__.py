@@ -12,8 +12,8 @@ from agentrl.types import Group, Message, Task, Trajectory
 
 if TYPE_CHECKING:
     from agentrl.config import load_config
-    from agentrl.rollout import RolloutConfig, RolloutEngine
-    from agentrl.trainer import Trainer
+    from agentrl.loop.trainer import Trainer
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 
 __version__ = "0.1.0"
 
@@ -35,9 +35,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RolloutConfig": "agentrl.rollout",
-    "RolloutEngine": "agentrl.rollout",
-    "Trainer": "agentrl.trainer",
+    "RolloutConfig": "agentrl.rollout.engine",
+    "RolloutEngine": "agentrl.rollout.engine",
+    "Trainer": "agentrl.loop.trainer",
     "load_config": "agentrl.config",
 }
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from agentrl import __version__
 from agentrl.errors import ConfigError
-from agentrl.jobs import add_rollout, add_train
-from agentrl.report import add_report_command
+from agentrl.loop.jobs import add_rollout, add_train
+from agentrl.report.build import add_report_command
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

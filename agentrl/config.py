@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentrl.errors import ConfigError
-from agentrl.rollout import RolloutConfig
+from agentrl.rollout.engine import RolloutConfig
 
 
 class _Section(BaseModel):
@@ -107,7 +107,7 @@ class TrainLoopConfig(_Section):
     max_wall_s: float | None = None
     """Stop after this much wall time (then evaluate and summarise)."""
     max_staleness: int = Field(1, ge=0)
-    """Overlap rollouts with training (:mod:`agentrl.pipeline`): a token sampled by weight
+    """Overlap rollouts with training (:mod:`agentrl.loop.pipeline`): a token sampled by weight
     version u may train the learner at version v only if ``v - u <= max_staleness``; a step
     waits for a group that would otherwise outlive that bound, so none is dropped. 0 is the
     synchronous loop: reproducible bit for bit from the seed (the overlapped loop's version

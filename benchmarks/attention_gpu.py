@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from agentrl.packed_body import _varlen_attention, _varlen_kwargs
+from agentrl.kernels.packed_body import _varlen_attention, _varlen_kwargs
 
 
 def _lengths(tokens: int, seed: int) -> list[int]:
@@ -82,7 +82,7 @@ def main() -> None:
         "flash2": lambda: _varlen_attention(q, k, v, cu, max_len, scale, fa_options),
     }
     try:
-        from agentrl.triton_attention import varlen_attention
+        from agentrl.kernels.attention import varlen_attention
 
         kernels["triton"] = lambda: varlen_attention(q, k, v, cu, max_len, scale)
         compiled = torch.compile(varlen_attention, dynamic=True)

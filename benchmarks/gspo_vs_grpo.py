@@ -33,7 +33,7 @@ def one_run(loss: str, seed: int, steps: int, env: str | None, threads: int) -> 
     from math_agent import PRESETS
 
     from agentrl.config import load_config
-    from agentrl.trainer import Trainer
+    from agentrl.loop.trainer import Trainer
 
     tree = copy.deepcopy(PRESETS["cpu-tiny"])
     tree.update(seed=seed, name=f"{loss}-s{seed}", out_dir=tempfile.mkdtemp())

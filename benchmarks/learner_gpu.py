@@ -9,13 +9,13 @@ sequences (TRL: micro-batches of 4 with gradient accumulation; agentrl: packed m
 agentrl variants, each from the same initial weights (``--variants`` picks):
 
 * ``transformers``: transformers' forward on packed rows (sdpa + block mask), float32 head;
-* ``packed``: :mod:`agentrl.packed_body` (varlen FlashAttention, no mask), float32 head;
+* ``packed``: :mod:`agentrl.kernels.packed_body` (varlen FlashAttention, no mask), float32 head;
 * ``packed+bf16head``: the head matmuls with bf16 inputs (float32 accumulation and softmax);
 * ``packed+bf16head+compile``: the per-layer functions ``torch.compile``d (the headline);
 * ``...+16k``: 16,384-token micro-batches instead of ``--micro-batch-tokens`` (12,288):
   fewer micro-batches are faster and need more activation memory;
 * ``...+sel``: selective recomputation (only matmul and attention outputs kept);
-* ``...+triton``: ``attention_kernel="triton"`` (:mod:`agentrl.triton_attention`) instead of
+* ``...+triton``: ``attention_kernel="triton"`` (:mod:`agentrl.kernels.attention`) instead of
   FlashAttention-2;
 * ``...+tuned``: ``compile_tuning`` (inductor's coordinate-descent tuning of the fused kernels);
 * ``...+ckpt`` / ``...+ckpt-half``: all / half of the layers checkpointed.
@@ -55,7 +55,8 @@ from typing import Any
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from agentrl.learner import Learner, LearnerConfig, TrainSample, _Prepared
+from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.learner.update import _Prepared
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_tokenizer, tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))

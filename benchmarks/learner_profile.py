@@ -5,7 +5,7 @@ times ``--repeats`` updates (median), then profiles one update with ``torch.prof
 prints the GPU's busy and idle time (union of kernel intervals), the largest idle gaps with the
 operations on either side (a host-to-GPU copy that synchronises, a statistic read mid-step),
 and the kernels by GPU time. ``--no-head-kernels`` falls back to the compiled head softmax
-instead of :mod:`agentrl.head_kernels`, for an A/B on the same machine.
+instead of :mod:`agentrl.kernels.head`, for an A/B on the same machine.
 
 Usage: ``python benchmarks/learner_profile.py [--variant NAME] [--no-head-kernels]`` on a GPU;
 ``--model tiny`` runs the same code on a CPU in seconds (host operations stand in for kernels).
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 import learner_gpu as lg  # noqa: E402
 
-from agentrl import head_kernels  # noqa: E402
+from agentrl.kernels import head as head_kernels  # noqa: E402
 from agentrl.learner import Learner  # noqa: E402
 
 

@@ -41,8 +41,8 @@ from torch.utils._pytree import tree_leaves
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.learner import Learner, LearnerConfig, TrainSample
-from agentrl.logprobs import LogprobModel
-from agentrl.packing import build_packed_batch, pack_sequences
+from agentrl.learner.logprobs import LogprobModel
+from agentrl.learner.packing import build_packed_batch, pack_sequences
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model
 
 QWEN3_06B = QWEN3_0_6B_SHAPE

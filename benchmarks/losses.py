@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from agentrl.losses import grpo_loss, gspo_loss, gspo_token_loss, kl_to_reference
+from agentrl.learner.losses import grpo_loss, gspo_loss, gspo_token_loss, kl_to_reference
 
 LOSSES: dict[str, Callable[..., tuple[torch.Tensor, object]]] = {
     "gspo": lambda lp, old, a, m: gspo_loss(lp, old, a[:, 0], m),

@@ -19,7 +19,7 @@ Runs, each for the same number of trained response tokens, repeated ``--rounds``
 
 - ``sync``: the synchronous trainer step (all G episodes of ``tasks_per_step`` tasks, then
   train, then push weights);
-- ``overlap-k``: ``agentrl.pipeline`` with ``max_staleness = k``, partial rollouts, a token
+- ``overlap-k``: ``agentrl.loop.pipeline`` with ``max_staleness = k``, partial rollouts, a token
   budget per step equal to the expected tokens of ``tasks_per_step`` groups, and
   ``2 x tasks_per_step`` groups in flight. A step waits for the groups that would otherwise
   outlive the staleness bound (nothing is dropped), so at ``max_staleness=1`` a step can
@@ -68,8 +68,8 @@ import torch
 from agentrl.config import load_config
 from agentrl.env import Env, StepResult, register
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.pipeline import Pipeline, staleness_metrics
-from agentrl.trainer import Trainer
+from agentrl.loop.pipeline import Pipeline, staleness_metrics
+from agentrl.loop.trainer import Trainer
 from agentrl.types import Message, Task
 
 MIN_TOKENS = 16

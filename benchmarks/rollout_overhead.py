@@ -18,7 +18,7 @@ import time
 
 from agentrl.env import Env, StepResult
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.tiny import build_tiny_tokenizer
 from agentrl.types import Message, Task
 

@@ -17,9 +17,9 @@ import hashlib
 import random
 from typing import Any
 
-from agentrl.calculator import DEFAULT_LIMITS, CalculatorError, Limits, calculate
 from agentrl.data import Source, load_tasks
 from agentrl.env import Env, StepResult, Tool, ToolEnv, describe_tools
+from agentrl.envs.calculator import DEFAULT_LIMITS, CalculatorError, Limits, calculate
 from agentrl.errors import EnvError
 from agentrl.types import Message, Task
 from agentrl.verifiers.math import Extract, GoldReport, MathResult, validate_gold, verify_async
@@ -203,7 +203,7 @@ class MathToolEnv(ToolEnv):
 
     A turn with a ``<tool_call>`` gets the result (or the error) as a tool message; a turn
     without one is the final answer, scored as in :class:`MathEnv`. The calculator is
-    :mod:`agentrl.calculator` (never ``eval``), run in a worker thread under a time limit; an
+    :mod:`agentrl.envs.calculator` (never ``eval``), run in a worker thread under a time limit; an
     expression that runs too long is an error observation and the episode goes on.
 
     Args:

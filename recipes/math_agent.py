@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from agentrl.config import load_config
-from agentrl.jobs import run_training
+from agentrl.loop.jobs import run_training
 from agentrl.verifiers.math import start_pool
 
 # -------------------------------------------------------------------------------- config

@@ -46,6 +46,16 @@ from agentrl.tiny import build_tiny
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip cleanly where there is no CUDA device (CI, laptops)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def tiny() -> tuple[Any, Any]:
     return build_tiny()

@@ -1,4 +1,4 @@
-"""Tests of agentrl.advantages: group normalisation and per-token shaping."""
+"""Tests of agentrl.learner.advantages: group normalisation and per-token shaping."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from agentrl.advantages import (
+from agentrl.errors import ConfigError
+from agentrl.learner.advantages import (
     SHAPERS,
     FormatPenalty,
     OutcomeDiscount,
@@ -20,8 +21,7 @@ from agentrl.advantages import (
     compute_token_advantages,
     group_advantages,
 )
-from agentrl.errors import ConfigError
-from agentrl.losses import gspo_loss, gspo_token_loss
+from agentrl.learner.losses import gspo_loss, gspo_token_loss
 from agentrl.types import Group, Task, Trajectory, TurnSpan
 
 torch.set_num_threads(1)

@@ -6,8 +6,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from agentrl.chat import ChatTokenizer
 from agentrl.errors import ConfigError
+from agentrl.rollout.chat import ChatTokenizer
 from agentrl.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, THINKING_CHAT_TEMPLATE, build_tiny_tokenizer
 from agentrl.types import Message
 

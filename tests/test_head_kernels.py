@@ -15,13 +15,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from agentrl import head_kernels  # noqa: E402
-from agentrl.logprobs import _dlogits, _logprob_lse  # noqa: E402
+from agentrl.kernels import head as head_kernels  # noqa: E402
+from agentrl.learner.logprobs import _dlogits, _logprob_lse  # noqa: E402
 
 _CHECK = """
 import torch
-from agentrl import head_kernels
-from agentrl.logprobs import _dlogits, _logprob_lse
+from agentrl.kernels import head as head_kernels
+from agentrl.learner.logprobs import _dlogits, _logprob_lse
 g = torch.Generator().manual_seed(0)
 for c, vocab, inv_t in ((7, 5000, 1.0), (3, 4096, 1 / 0.7), (1, 9000, 1.0)):
     logits = torch.randn(c, vocab, generator=g) * 4
@@ -47,7 +47,7 @@ def test_kernels_match_the_reference_in_the_interpreter() -> None:
     assert done.stdout.strip() == "ok"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_kernels_match_the_reference_on_cuda() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     c, vocab, inv_t = 1024, 151936, 1.0

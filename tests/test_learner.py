@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from agentrl.errors import ConfigError
 from agentrl.learner import Learner, LearnerConfig, TrainSample, samples_from_trajectories
-from agentrl.logprobs import LogprobModel, chunked_token_logprobs
-from agentrl.packing import build_packed_batch, pack_sequences
+from agentrl.learner.logprobs import LogprobModel, chunked_token_logprobs
+from agentrl.learner.packing import build_packed_batch, pack_sequences
 from agentrl.tiny import build_tiny
 from agentrl.types import Trajectory
 

@@ -1,4 +1,4 @@
-"""Tests of agentrl.losses against float64 references written from the GSPO paper's equations."""
+"""agentrl.learner.losses against float64 references written from the GSPO paper's equations."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from agentrl.errors import ConfigError
-from agentrl.losses import (
+from agentrl.learner.losses import (
     LOSSES,
     MAX_LOG_RATIO,
     count_sequences,

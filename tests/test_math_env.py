@@ -11,9 +11,9 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-from agentrl.calculator import CalculatorError, Limits, calculate
 from agentrl.env import make
 from agentrl.env_check import check_env
+from agentrl.envs.calculator import CalculatorError, Limits, calculate
 from agentrl.envs.math import (
     REASONING_GYM_SOURCES,
     MathEnv,

@@ -15,10 +15,10 @@ from transformers import (
 )
 
 from agentrl.errors import ConfigError
+from agentrl.kernels.packed_body import PackedBody, unsupported_reason
 from agentrl.learner import Learner, LearnerConfig, TrainSample
-from agentrl.logprobs import LogprobModel, chunked_token_logprobs
-from agentrl.packed_body import PackedBody, unsupported_reason
-from agentrl.packing import build_packed_batch
+from agentrl.learner.logprobs import LogprobModel, chunked_token_logprobs
+from agentrl.learner.packing import build_packed_batch
 from agentrl.tiny import build_tiny_model
 
 SMALL = dict(
@@ -118,7 +118,7 @@ def test_checkpointing_some_layers_gives_the_same_gradients() -> None:
 
 HEAD_CASES = [("cpu", False)] + [
     pytest.param(
-        "cuda", fused, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+        "cuda", fused, marks=pytest.mark.gpu
     )
     for fused in (False, True)
 ]
@@ -189,7 +189,7 @@ def test_body_choice_and_errors() -> None:
     assert learner.module.body is not None and learner.module.body.checkpoint_layers == 3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention, compile)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["auto", "triton"])
 def test_compiled_varlen_bf16_body_is_close_to_float32_on_gpu(attention: str) -> None:
     if attention == "triton":

@@ -24,7 +24,7 @@ from agentrl.inference.client import SGLangClient
 from agentrl.inference.engine import LocalEngine
 from agentrl.inference.server import serve
 from agentrl.inference.sglang_api import parse_weight_version
-from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.tiny import build_tiny
 from agentrl.types import Message, Task, Trajectory
 

@@ -1,4 +1,4 @@
-"""The overlapped loop (``agentrl.pipeline``) on the real tiny model and the embedded engine."""
+"""The overlapped loop (``agentrl.loop.pipeline``) on the tiny model and the embedded engine."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 from agentrl.config import load_config
 from agentrl.env import Env, StepResult
-from agentrl.pipeline import Pipeline, staleness_metrics
-from agentrl.trainer import Trainer
+from agentrl.loop.pipeline import Pipeline, staleness_metrics
+from agentrl.loop.trainer import Trainer
 from agentrl.types import Group, Message, Task, Trajectory
 
 TIMING = ("time", "time/", "perf/", "cold_start_s", "rollout/generate_s")
@@ -148,13 +148,13 @@ def test_long_group_is_waited_for_and_nothing_is_lost_or_repeated(
     long_id = f"t{order[0]}"
     trainer.make_env = Turns  # type: ignore[method-assign]
     batches: list[list[Group]] = []
-    training_batch = trainer._training_batch
+    training_batch = trainer.training_batch
 
     def spy(groups: list[Group]) -> Any:
         batches.append(list(groups))
         return training_batch(groups)
 
-    trainer._training_batch = spy  # type: ignore[method-assign]
+    trainer.training_batch = spy  # type: ignore[method-assign]
     pipeline = Pipeline(trainer)
 
     async def run() -> list[dict[str, float]]:

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from agentrl.config import load_config
-from agentrl.plots import FIGURE_PX, plot_all
-from agentrl.report import add_report_command, build_report, scan_groups, select_groups
-from agentrl.report_page import render_page, turn_segments
+from agentrl.loop.trainer import Trainer
+from agentrl.report.build import add_report_command, build_report, scan_groups, select_groups
+from agentrl.report.page import render_page, turn_segments
+from agentrl.report.plots import FIGURE_PX, plot_all
 from agentrl.tiny import build_tiny_tokenizer
-from agentrl.trainer import Trainer
 from agentrl.types import Message, Trajectory, TurnSpan
 
 CHROMIUM = Path("/usr/bin/chromium")

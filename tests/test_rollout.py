@@ -14,7 +14,7 @@ import pytest
 from agentrl.env import Env, StepResult, make
 from agentrl.errors import ServerError
 from agentrl.inference.engine import LocalEngine
-from agentrl.rollout import JsonlSink, RolloutConfig, RolloutEngine, rollout_metrics
+from agentrl.rollout.engine import JsonlSink, RolloutConfig, RolloutEngine, rollout_metrics
 from agentrl.types import Message, Task, Trajectory
 
 

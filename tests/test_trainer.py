@@ -10,7 +10,7 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
-from agentrl.trainer import Trainer
+from agentrl.loop.trainer import Trainer
 
 TIMING = ("time", "time/", "perf/", "cold_start_s", "rollout/generate_s")
 

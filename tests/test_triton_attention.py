@@ -1,4 +1,4 @@
-"""Tests for :mod:`agentrl.triton_attention` (packed causal GQA attention in Triton).
+"""Tests for :mod:`agentrl.kernels.attention` (packed causal GQA attention in Triton).
 
 - Without Triton (CI) the whole file skips.
 - CPU: the kernels run under the Triton interpreter in a subprocess (``TRITON_INTERPRET=1`` is
@@ -141,7 +141,7 @@ def _fix_interpreter_index() -> None:
 
 
 def _interpreter_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
-    from agentrl import triton_attention as ta
+    from agentrl.kernels import attention as ta
 
     dtype = getattr(torch, spec["dtype"])
     lengths = spec["lengths"]
@@ -173,7 +173,7 @@ def _interpreter_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
 
 def _interpreter_compile_check() -> float:
     """Largest difference between eager and ``torch.compile`` (aot_eager) results and grads."""
-    from agentrl.triton_attention import varlen_attention
+    from agentrl.kernels.attention import varlen_attention
 
     lengths = [9, 30]
     q, k, v, dout, cu = _inputs(lengths, 4, 2, 16, torch.float32, "cpu", seed=7)
@@ -189,7 +189,7 @@ def _interpreter_compile_check() -> float:
 
 def _interpreter_opcheck() -> list[str]:
     """``torch.library.opcheck`` on both ops; returns the names of failed checks."""
-    from agentrl import triton_attention as ta
+    from agentrl.kernels import attention as ta
 
     q, k, v, dout, cu = _inputs([3, 18], 2, 1, 16, torch.float32, "cpu", seed=3)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -209,7 +209,7 @@ def _interpreter_opcheck() -> list[str]:
 
 def _interpreter_bad_offsets() -> list[str]:
     """Offsets that must raise ValueError; returns those that did not."""
-    from agentrl.triton_attention import varlen_attention
+    from agentrl.kernels.attention import varlen_attention
 
     q, k, v, _, _ = _inputs([10], 2, 1, 16, torch.float32, "cpu", seed=0)
     bad = {
@@ -308,7 +308,7 @@ def test_bad_inputs_raise(
     dtype: torch.dtype,
     match: str,
 ) -> None:
-    from agentrl.triton_attention import varlen_attention
+    from agentrl.kernels.attention import varlen_attention
 
     q, k = torch.randn(q_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)
     cu = torch.tensor([0, 10], dtype=cu_dtype)
@@ -317,7 +317,7 @@ def test_bad_inputs_raise(
 
 
 def test_k_v_shape_mismatch_raises() -> None:
-    from agentrl.triton_attention import varlen_attention
+    from agentrl.kernels.attention import varlen_attention
 
     q, k, v = torch.randn(10, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 1, 16)
     with pytest.raises(ValueError, match="k and v shapes differ"):
@@ -325,7 +325,7 @@ def test_k_v_shape_mismatch_raises() -> None:
 
 
 def test_bad_block_config_raises() -> None:
-    from agentrl import triton_attention as ta
+    from agentrl.kernels import attention as ta
 
     ta.CONFIG["dkdv"] = ta.KernelConfig(block_m=64, block_n=32)
     try:
@@ -341,9 +341,8 @@ def test_bad_block_config_raises() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_qwen3_shapes_bf16_eager_and_compiled() -> None:
-    from agentrl.triton_attention import varlen_attention, varlen_attn_fwd
+    from agentrl.kernels.attention import varlen_attention, varlen_attn_fwd
 
     lengths = [1000, 1537, 773, 811, 95]
     hq, hkv, d, scale, max_len = 16, 8, 128, 128**-0.5, 1537

@@ -27,13 +27,35 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from agentrl.verifiers.sandbox import ExecStatus, Isolation, Limits
+from typing import Literal
 
 logger = logging.getLogger("agentrl.verifiers.sandbox")
+
+ExecStatus = Literal["ok", "runtime_error", "timeout", "memory", "output_limit", "sandbox_error"]
+Isolation = Literal["namespaces", "rlimits"]
+IsolationChoice = Literal["auto", "namespaces", "rlimits"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-sandbox limits besides the per-call ``timeout_s`` and ``memory_mb``."""
+
+    nproc: int = 16
+    """Processes plus threads the program may have at once (memory is per process: a run can
+    use up to ``nproc * memory_mb``)."""
+    nofile: int = 64
+    """Open file descriptors."""
+    fsize_mb: int = 16
+    """Largest file the program may write."""
+    tmp_mb: int = 64
+    """Size of the private ``/tmp`` (namespaces only; rlimits bounds each file by ``fsize_mb``)."""
+    max_output_bytes: int = 4 << 20
+    """stdout plus stderr bytes read before the run is killed with ``output_limit``."""
+    max_stderr_bytes: int = 8 << 10
+    """stderr kept in the result (its tail)."""
+
 
 _UID_BASE = 1_999_000_000
 """As root, slot ``i`` runs under uid/gid ``_UID_BASE + i`` (uids no account uses)."""

@@ -53,13 +53,16 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from agentrl.errors import VerifierError
 from agentrl.verifiers._sandbox_os import (
     _MARKER,
     _PATH,
     _UID_BASE,
+    ExecStatus,
+    Isolation,
+    IsolationChoice,
+    Limits,
     _await_namespace,
     _blocking_ancestor,
     _bwrap_args,
@@ -77,9 +80,6 @@ from agentrl.verifiers._sandbox_os import (
 
 logger = logging.getLogger(__name__)
 
-ExecStatus = Literal["ok", "runtime_error", "timeout", "memory", "output_limit", "sandbox_error"]
-Isolation = Literal["namespaces", "rlimits"]
-IsolationChoice = Literal["auto", "namespaces", "rlimits"]
 
 _DRAIN_S = 1.0
 _BOOT = """\
@@ -104,25 +104,6 @@ with open("main.py", "rb") as _f:
 del _f, _hook
 exec(_code, _main.__dict__)
 """
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Per-sandbox limits besides the per-call ``timeout_s`` and ``memory_mb``."""
-
-    nproc: int = 16
-    """Processes plus threads the program may have at once (memory is per process: a run can
-    use up to ``nproc * memory_mb``)."""
-    nofile: int = 64
-    """Open file descriptors."""
-    fsize_mb: int = 16
-    """Largest file the program may write."""
-    tmp_mb: int = 64
-    """Size of the private ``/tmp`` (namespaces only; rlimits bounds each file by ``fsize_mb``)."""
-    max_output_bytes: int = 4 << 20
-    """stdout plus stderr bytes read before the run is killed with ``output_limit``."""
-    max_stderr_bytes: int = 8 << 10
-    """stderr kept in the result (its tail)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """The embedded engine behind SGLang's native HTTP API: what ``agentrl serve`` runs.
 
 It speaks the subset of SGLang 0.5.23's native API that :class:`SGLangClient` and RL
-frameworks use, with SGLang's request/response shapes and status codes (see
-``shared/ref/sglang-native-api.md``), so the HTTP path is tested on CPU and SGLang's own clients
+frameworks use, with SGLang's request/response shapes and status codes (the endpoints are listed
+in ``docs/architecture.md``), so the HTTP path is tested on CPU and SGLang's own clients
 work against it. Every ``/generate`` call (single or batch) becomes one request per prompt to a
 shared :class:`LocalEngine`, so concurrent HTTP requests are batched together.
 

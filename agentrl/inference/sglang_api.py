@@ -2,7 +2,7 @@
 
 Shared by :class:`~agentrl.inference.client.SGLangClient` (parsing responses) and the embedded
 server (validating requests, building responses), so both follow one reading of the contract
-in ``shared/ref/sglang-native-api.md`` / SGLang 0.5.23's ``sglang/api/v1/api_types.py``:
+of SGLang 0.5.23's ``sglang/api/v1/api_types.py`` (``docs/architecture.md`` lists the endpoints):
 
 - ``sampling_params`` is strict: an unknown key or a wrongly typed value is rejected with
   SGLang's serde-style text (``unknown field `x`, expected one of ...``,

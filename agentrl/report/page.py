@@ -362,7 +362,7 @@ def render_page(data: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     """The whole HTML document.
 
     Args:
-        data: the JSON-serialisable report data (:func:`agentrl.report.collect_report_data`).
+        data: the JSON-serialisable report data (:func:`agentrl.report.build.collect_report_data`).
         plots: ``(file name, base64 PNG)`` pairs, shown in order.
     """
     figures = "".join(

@@ -1,6 +1,7 @@
 """Triton kernels for the log-prob head's two passes over a chunk of float32 logits.
 
-The head (:mod:`agentrl.logprobs`) is memory-bound around its matmuls: a 1,024-token chunk of a
+The head (:mod:`agentrl.learner.logprobs`) is memory-bound around its matmuls: a 1,024-token
+chunk of a
 152k vocabulary is 622 MB of float32 logits, read once in the forward (log-sum-exp and the
 target's logit) and once in the backward (the softmax gradient, written in bf16).
 
@@ -10,7 +11,8 @@ target's logit) and once in the backward (the softmax gradient, written in bf16)
   division to find its row (the compiled pointwise kernel of dynamic shape does).
 
 Both need CUDA and Triton: :func:`available` says whether they can run here; the head falls back
-to ``torch.compile``d code otherwise. Same results as :func:`agentrl.logprobs._logprob_lse` and
+to ``torch.compile``d code otherwise. Same results as
+:func:`agentrl.learner.logprobs._logprob_lse` and
 ``_dlogits`` to float32 rounding.
 """
 

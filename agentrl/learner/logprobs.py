@@ -10,7 +10,7 @@ float32, ``chunk_size`` tokens at a time, as one autograd function:
   gradient ``g · (onehot(target) - softmax) / T``, then ``∂hidden = G @ W`` and ``∂W += Gᵀ @
   hidden``.
 
-With ``fused``, each pass over a chunk's logits is one kernel: :mod:`agentrl.head_kernels`
+With ``fused``, each pass over a chunk's logits is one kernel: :mod:`agentrl.kernels.head`
 (Triton) on CUDA, a ``torch.compile``d function elsewhere.
 
 So peak memory is about one chunk of float32 logits in either pass, whatever the batch (a
@@ -18,7 +18,7 @@ So peak memory is about one chunk of float32 logits in either pass, whatever the
 cost is one extra head matmul in the backward, as with activation checkpointing.
 
 :class:`LogprobModel` runs a causal LM's body on a packed micro-batch
-(:class:`~agentrl.packing.PackedBatch`) and then this head on the trained tokens only.
+(:class:`~agentrl.learner.packing.PackedBatch`) and then this head on the trained tokens only.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from agentrl import head_kernels
-from agentrl.packed_body import PackedBody
-from agentrl.packing import PackedBatch
+from agentrl.kernels import head as head_kernels
+from agentrl.kernels.packed_body import PackedBody
+from agentrl.learner.packing import PackedBatch
 
 _MM_OUT_DTYPE: bool | None = None  # does this torch/device have mm(..., out_dtype=float32)?
 
@@ -254,7 +254,7 @@ class LogprobModel(nn.Module):
         head_dtype: dtype of the head matmuls' inputs (float32 accumulation either way).
         fused_head: compile the head's per-chunk log-softmax and gradient (one pass each);
             ``"tuned"`` also tunes the kernels.
-        body: a :class:`~agentrl.packed_body.PackedBody` over ``model`` to run instead of
+        body: a :class:`~agentrl.kernels.packed_body.PackedBody` over ``model`` to run instead of
             transformers' forward (it reads ``lengths`` instead of a mask).
     """
 

@@ -7,7 +7,7 @@ same math on one packed row of sequences (``position_ids`` restarting at 0 per s
 
 * **variable-length attention** over cumulative sequence offsets: FlashAttention-2 through
   ``torch.nn.attention.varlen`` on CUDA (or, with ``attention="triton"``, this project's
-  kernel, :mod:`agentrl.triton_attention`), one causal ``sdpa`` per sequence elsewhere; no mask
+  kernel, :mod:`agentrl.kernels.attention`), one causal ``sdpa`` per sequence elsewhere; no mask
   is built and no padded position is computed;
 * **each decoder layer as two functions** around the attention call (norm + projections +
   q/k-norm + rotary before it; output projection + residual + norm + SwiGLU MLP + residual after
@@ -48,7 +48,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from agentrl.packing import to_device
+from agentrl.kernels.transfer import to_device
 
 __all__ = ["PackedBody", "unsupported_reason"]
 
@@ -181,12 +181,12 @@ def _varlen_attention(
     """Causal attention over the sequences that ``cu`` (cumulative offsets) delimits.
 
     FlashAttention-2 (torch's ``varlen_attn``), or this project's Triton kernel where
-    ``options`` says ``kernel="triton"`` (:mod:`agentrl.triton_attention`).
+    ``options`` says ``kernel="triton"`` (:mod:`agentrl.kernels.attention`).
     """
     dtype = v.dtype  # under autocast: the projections' low precision
     q, k = q.to(dtype), k.to(dtype)
     if options.get("kernel") == "triton":
-        from agentrl.triton_attention import varlen_attention
+        from agentrl.kernels.attention import varlen_attention
 
         return varlen_attention(q, k, v, cu, max_len, scale, check_offsets=False)
     from torch.nn.attention.varlen import varlen_attn
@@ -233,7 +233,7 @@ def _saved_ops() -> set[Any]:
         importlib.import_module("torch.nn.attention.varlen")  # registers the torch_attn ops
         ops.add(torch.ops.torch_attn._varlen_attn.default)
         if importlib.util.find_spec("triton") is not None:
-            importlib.import_module("agentrl.triton_attention")  # registers agentrl's ops
+            importlib.import_module("agentrl.kernels.attention")  # registers agentrl's ops
             ops.add(torch.ops.agentrl.varlen_attn_fwd.default)
     return ops
 
@@ -271,7 +271,7 @@ class PackedBody:
         selective: in the other layers, keep only matmul and attention outputs and recompute
             the rest in the backward.
         attention: ``"varlen"`` (FlashAttention-2, CUDA), ``"triton"`` (this project's Triton
-            kernel, :mod:`agentrl.triton_attention`; CUDA with Triton), ``"sdpa"`` (one call per
+            kernel, :mod:`agentrl.kernels.attention`; CUDA with Triton), ``"sdpa"`` (one call per
             sequence) or ``"auto"`` (varlen on CUDA, sdpa elsewhere).
     """
 

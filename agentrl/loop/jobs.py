@@ -28,7 +28,7 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
     """Train with a progress bar showing the latest reward; print and return the summary."""
-    from agentrl.trainer import Trainer
+    from agentrl.loop.trainer import Trainer
 
     bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
 
@@ -126,7 +126,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 async def _rollout(args: argparse.Namespace) -> int:
     from agentrl.env import env_class, make
-    from agentrl.rollout import JsonlSink, RolloutConfig, RolloutEngine, rollout_metrics
+    from agentrl.rollout.engine import JsonlSink, RolloutConfig, RolloutEngine, rollout_metrics
 
     client: Any
     if args.endpoint:

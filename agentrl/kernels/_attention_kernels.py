@@ -1,4 +1,4 @@
-"""Triton kernels of :mod:`agentrl.triton_attention` (its docstring describes them).
+"""Triton kernels of :mod:`agentrl.kernels.attention` (its docstring describes them).
 
 FlashAttention-2's algorithm for packed causal attention with grouped-query heads: the forward
 (``_attn_fwd``), and the backward as a dQ kernel (``_attn_bwd_dq``, which also computes

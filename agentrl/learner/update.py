@@ -5,7 +5,8 @@ One :meth:`Learner.step` takes a rollout batch of :class:`TrainSample` and:
 * splits it, in order, into ``num_minibatches`` mini-batches (one optimizer step each; only
   the first is on-policy, which is why the ratio is clipped), and each mini-batch into
   micro-batches of at most ``micro_batch_tokens`` tokens, sequences packed into one row
-  (:mod:`agentrl.packing`), gradients accumulated so that the update equals one pass over the
+  (:mod:`agentrl.learner.packing`), gradients accumulated so that the update equals one pass
+  over the
   whole mini-batch (the loss's ``num_sequences`` is the mini-batch's sequence count);
 * uses the **engine's log-probs as old log-probs** (``recompute_old_logprobs`` computes them
   with this model before any update instead), and reports the engine/trainer mismatch on the
@@ -54,7 +55,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from agentrl.checkpoint import (
+from agentrl.errors import ConfigError
+from agentrl.kernels.packed_body import PackedBody, unsupported_reason
+from agentrl.learner.checkpoint import (
     full_state_dict,
     load_training_state,
     load_training_state_from,
@@ -62,13 +65,18 @@ from agentrl.checkpoint import (
     save_training_state,
     training_state,
 )
-from agentrl.distributed import StepStats, equalize_counts, gather_dict, rank_share, shard, world
-from agentrl.errors import ConfigError
-from agentrl.learner_config import LearnerConfig
-from agentrl.logprobs import LogprobModel
-from agentrl.losses import get_loss, kl_to_reference
-from agentrl.packed_body import PackedBody, unsupported_reason
-from agentrl.packing import (
+from agentrl.learner.config import LearnerConfig
+from agentrl.learner.distributed import (
+    StepStats,
+    equalize_counts,
+    gather_dict,
+    rank_share,
+    shard,
+    world,
+)
+from agentrl.learner.logprobs import LogprobModel
+from agentrl.learner.losses import get_loss, kl_to_reference
+from agentrl.learner.packing import (
     PackedBatch,
     TrainSample,
     build_packed_batch,

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import triton
 
-from agentrl._attention_kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd
+from agentrl.kernels._attention_kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd
 
 __all__ = [
     "CONFIG",

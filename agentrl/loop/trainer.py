@@ -10,28 +10,30 @@ model, optimiser, RNG states, step and data cursor, so ``resume`` continues exac
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from agentrl.advantages import compute_token_advantages
-from agentrl.chat import ChatTokenizer
 from agentrl.config import TrainConfig, dump_config
 from agentrl.env import Env, env_class, make
 from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
-from agentrl.learner import Learner, LearnerConfig
-from agentrl.packing import samples_from_trajectories
-from agentrl.rollout import RolloutEngine, rollout_metrics
-from agentrl.sft import build_demonstrations, sft
+from agentrl.learner import Learner, LearnerConfig, samples_from_trajectories
+from agentrl.learner.advantages import compute_token_advantages
+from agentrl.loop.cold_start import build_demonstrations, sft
+from agentrl.loop.pipeline import Pipeline
+from agentrl.rollout.chat import ChatTokenizer
+from agentrl.rollout.engine import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -249,7 +251,7 @@ class Trainer:
             t.reward = r
 
     async def train_step(self) -> dict[str, float]:
-        """One rollout batch and one learner update."""
+        """One synchronous step: roll out the next tasks' groups, then :meth:`update` on them."""
         t0 = time.perf_counter()
         tasks = self.next_tasks()
         groups = await self.rollout.run_groups(
@@ -258,30 +260,68 @@ class Trainer:
             env_id=self.config.env.id,
             seed_offset=self.step * self.config.train.tasks_per_step,
         )
-        t_rollout = time.perf_counter() - t0
         metrics = rollout_metrics(groups, success_threshold=self.config.rollout.success_threshold)
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        metrics = await self.update(groups, metrics)
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    async def update(
+        self,
+        groups: list[Group],
+        metrics: dict[str, float] | None = None,
+        *,
+        overlapped: bool = False,
+        on_synced: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        """The one training step of both loops: advantages, update, weight push, records.
+
+        Shuffles rewards when the control asks for it, turns the groups into per-token
+        advantages (:meth:`training_batch`), runs one learner update, pushes the new weights as
+        version ``step + 1`` and appends the trained trajectories to ``trajectories.jsonl``.
+
+        Args:
+            groups: the step's complete groups, in task order.
+            metrics: the caller's metrics of this batch (rollout figures); updated and returned.
+            overlapped: rollouts are in flight (the overlapped loop): the update runs in a worker
+                thread so the event loop keeps serving them, and they are interrupted around the
+                weight push (partial rollouts) and released after it.
+            on_synced: called right after the push, while rollouts are still interrupted.
+
+        Returns:
+            ``metrics`` with the learner's figures, ``rollout/zero_signal_groups``,
+            ``time/train_s`` and ``time/sync_s``.
+        """
+        metrics = {} if metrics is None else metrics
         if self.config.advantages.shuffle_rewards:
             self._shuffle_rewards(groups)
-        trajs, advs, skipped = self._training_batch(groups)
+        trajs, advs, skipped = self.training_batch(groups)
         metrics["rollout/zero_signal_groups"] = float(skipped)
         t1 = time.perf_counter()
         if trajs:
             samples = samples_from_trajectories(trajs, advs)
-            metrics.update(self.learner.step(samples))
-        t_train = time.perf_counter() - t1
+            if overlapped:
+                metrics.update(await asyncio.to_thread(self.learner.step, samples))
+            else:
+                metrics.update(self.learner.step(samples))
+        metrics["time/train_s"] = time.perf_counter() - t1
         self.step += 1
-        metrics["time/sync_s"] = await self.sync_weights()
+        if overlapped:
+            try:
+                await self.rollout.interrupt()
+                metrics["time/sync_s"] = await self.sync_weights()
+                if on_synced is not None:
+                    on_synced()
+            finally:
+                await self.rollout.release()
+        else:
+            metrics["time/sync_s"] = await self.sync_weights()
+            if on_synced is not None:
+                on_synced()
         self._write_trajectories(trajs, advs)
-        metrics.update(
-            {
-                "time/rollout_s": t_rollout,
-                "time/train_s": t_train,
-                "time/step_s": time.perf_counter() - t0,
-            }
-        )
         return metrics
 
-    def _training_batch(
+    def training_batch(
         self, groups: Sequence[Group]
     ) -> tuple[list[Trajectory], list[torch.Tensor], int]:
         """Trajectories that carry signal, with their per-token advantages.
@@ -351,7 +391,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def log(self, metrics: dict[str, float]) -> None:
+        """Append ``metrics`` as this step's line of ``metrics.jsonl`` (and TensorBoard)."""
         rec = {"step": self.step, "time": time.time(), **metrics}
         with (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
@@ -363,19 +404,48 @@ class Trainer:
         if self.on_step is not None:
             self.on_step(rec)
 
+    def out_of_time(self, t_start: float) -> bool:
+        """Whether ``train.max_wall_s`` has passed since ``t_start`` (``time.perf_counter()``)."""
+        limit = self.config.train.max_wall_s
+        return limit is not None and time.perf_counter() - t_start > limit
+
+    async def after_step(self, metrics: dict[str, float], t_start: float) -> bool:
+        """The one schedule of both loops, after each step; returns whether to stop.
+
+        Evaluates every ``eval_every`` steps (not at the last: the run's end evaluates), logs
+        the step, checkpoints every ``checkpoint_every`` steps, and stops at ``train.steps``
+        or when ``train.max_wall_s`` has passed.
+        """
+        cfg = self.config.train
+        if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            metrics.update(await self.evaluate())
+        self.log(metrics)
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        if self.step >= cfg.steps:
+            return True
+        if self.out_of_time(t_start):
+            log.info("stopping at step %d: max_wall_s reached", self.step)
+            return True
+        return False
+
+    async def _synchronous_steps(self) -> AsyncGenerator[dict[str, float], None]:
+        while True:
+            yield await self.train_step()
+
     async def run(self) -> dict[str, Any]:
         """Train for ``config.train.steps`` steps; returns (and writes) ``summary.json``."""
-        cfg = self.config.train
         t_start = time.perf_counter()
         dump_config(self.config, self.run_dir / "config.yaml")
         try:
-            return await self._run(cfg, t_start)
+            return await self._run(t_start)
         finally:
             await self.client.aclose()
             if self._tb is not None:
                 self._tb.close()
 
-    async def _run(self, cfg: Any, t_start: float) -> dict[str, Any]:
+    async def _run(self, t_start: float) -> dict[str, Any]:
+        cfg = self.config.train
         resumed = self.resume and await self.load_checkpoint()
         state_path = self.run_dir / "summary_state.json"
         cold: dict[str, float] = {}
@@ -388,24 +458,20 @@ class Trainer:
             start = await self.evaluate()
             start["cold_start_s"] = time.perf_counter() - t
             state_path.write_text(json.dumps(start))
-            self._log({**cold, **start})
+            self.log({**cold, **start})
         t_rl = time.perf_counter()
-        if cfg.max_staleness > 0:  # overlapped rollouts and training (partial rollouts)
-            from agentrl.pipeline import run_overlapped
-
-            await run_overlapped(self, t_start)
-        while cfg.max_staleness == 0 and self.step < cfg.steps:
-            if cfg.max_wall_s is not None and time.perf_counter() - t_start > cfg.max_wall_s:
-                log.info("stopping at step %d: max_wall_s reached", self.step)
-                break
-            metrics = await self.train_step()
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                metrics.update(await self.evaluate())
-            self._log(metrics)
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
+        if self.step < cfg.steps and not self.out_of_time(t_start):
+            # one schedule; the source of steps is the synchronous loop or the overlapped one
+            pipeline = Pipeline(self) if cfg.max_staleness > 0 else None
+            source = pipeline.steps() if pipeline else self._synchronous_steps()
+            async with aclosing(source) as steps:
+                async for metrics in steps:
+                    if await self.after_step(metrics, t_start):
+                        break
+            if pipeline is not None:
+                log.info("overlapped loop: %s", pipeline.stats)
         end = await self.evaluate()
-        self._log(end)
+        self.log(end)
         self.save_checkpoint()
         return self._summarise(start, end, t_start, t_rl)
 
@@ -425,7 +491,7 @@ class Trainer:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         try:
-            from agentrl.plots import plot_run
+            from agentrl.report.plots import plot_run
 
             plot_run(self.run_dir)
         except Exception:  # a plot must never lose a finished run

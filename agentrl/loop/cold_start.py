@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from agentrl.chat import ChatTokenizer
 from agentrl.env import Env
+from agentrl.rollout.chat import ChatTokenizer
 from agentrl.types import Task
 
 log = logging.getLogger(__name__)

@@ -2,14 +2,15 @@
 
 Pure tensor functions: log-probs, behaviour ("old") log-probs, advantages and a loss mask in,
 ``(loss, stats)`` out. No model, no config. Equation numbers refer to the GSPO paper (Zheng et al.,
-"Group Sequence Policy Optimization", Qwen team, 2025); ``shared/DESIGN.md`` restates them.
+"Group Sequence Policy Optimization", Qwen team, 2025, arXiv:2507.18071); ``docs/architecture.md``
+restates them.
 
 Design choices, shared by the three losses:
 
 * **Aggregation.** Every loss is *minus the mean over sequences of a per-sequence quantity*. For
   GSPO the quantity is the clipped sequence objective; for GSPO-token and GRPO it is the mean of
   the clipped token objectives over that sequence's loss-masked tokens. Sequences are weighted
-  equally whatever their length (never a token sum; see the house style, section 10).
+  equally whatever their length (never a token sum, which would let long responses dominate).
 * **Empty rows.** A row whose ``loss_mask`` is all zero contributes nothing and is *not* counted
   in the denominator: the default denominator is the number of rows with at least one loss token
   (:func:`count_sequences`). Padding rows therefore never dilute the gradient.

@@ -31,10 +31,10 @@ from typing import Any, Literal, Protocol, TextIO, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.chat import ChatTokenizer
 from agentrl.env import Env, StepResult
 from agentrl.errors import EnvError
 from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingParams
+from agentrl.rollout.chat import ChatTokenizer
 from agentrl.types import Group, Message, Task, Timing, Trajectory, TurnSpan
 
 log = logging.getLogger(__name__)

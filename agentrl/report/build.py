@@ -39,8 +39,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from agentrl.plots import plot_all, read_jsonl
-from agentrl.report_page import episode_payload, render_page
+from agentrl.report.page import episode_payload, render_page
+from agentrl.report.plots import plot_all, read_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,8 @@
 """The overlapped training loop: rollouts for step k+1 are generated while step k trains.
 
-``Trainer.run`` uses it when ``train.max_staleness >= 1`` (0 keeps the synchronous loop).
+``Trainer.run`` takes its steps from here when ``train.max_staleness >= 1`` (0: from the
+synchronous loop). Either way each step is :meth:`Trainer.update` and the schedule after it is
+:meth:`Trainer.after_step`; this module only decides which groups a step trains and when.
 
 Design:
 
@@ -58,17 +60,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from agentrl.packing import samples_from_trajectories
-from agentrl.rollout import rollout_metrics
+from agentrl.env import Env
+from agentrl.rollout import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task
-
-if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +133,35 @@ def staleness_metrics(
     return out
 
 
+class Host(Protocol):
+    """What the pipeline needs of its trainer (:class:`~agentrl.loop.trainer.Trainer`)."""
+
+    config: Any
+    step: int
+    cursor: int
+    rollout: RolloutEngine
+
+    def next_tasks(self) -> list[Task]: ...  # noqa: D102
+
+    def make_env(self) -> Env: ...  # noqa: D102
+
+    async def sync_weights(self) -> float: ...  # noqa: D102
+
+    async def update(  # noqa: D102
+        self,
+        groups: list[Group],
+        metrics: dict[str, float] | None = None,
+        *,
+        overlapped: bool = False,
+        on_synced: Callable[[], None] | None = None,
+    ) -> dict[str, float]: ...
+
+
 class Pipeline:
-    """Overlapped rollouts and training for a :class:`~agentrl.trainer.Trainer`.
+    """Overlapped rollouts and training for a trainer.
 
     Args:
-        trainer: supplies the tasks, the rollout engine, the learner and the weight sync; its
+        trainer: supplies the tasks, the rollout engine, the update and the weight sync; its
             ``config.train`` sets ``max_staleness`` (at least 1), ``tokens_per_step``,
             ``tasks_per_step`` and ``max_inflight_groups``.
 
@@ -147,7 +169,7 @@ class Pipeline:
         ValueError: ``max_staleness`` is 0 (that is the synchronous loop).
     """
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Host) -> None:
         cfg = trainer.config.train
         if cfg.max_staleness < 1:
             raise ValueError(f"max_staleness: expected >= 1, got {cfg.max_staleness}")
@@ -279,31 +301,14 @@ class Pipeline:
         metrics["rollout/response_tokens"] = float(sum(r.tokens for r in batch))
         metrics["pipeline/inflight_groups"] = float(inflight)  # when the step began to wait
         metrics["pipeline/buffered_groups"] = float(len(self._buffer))  # left after taking
-        if t.config.advantages.shuffle_rewards:
-            t._shuffle_rewards(groups)
-        trajs, advs, skipped = t._training_batch(groups)
-        metrics["rollout/zero_signal_groups"] = float(skipped)
-        t1 = time.perf_counter()
-        if trajs:
-            samples = samples_from_trajectories(trajs, advs)
-            metrics.update(await asyncio.to_thread(t.learner.step, samples))
-        t_train = time.perf_counter() - t1
-        t.step += 1
-        try:
-            await t.rollout.interrupt()
-            metrics["time/sync_s"] = await t.sync_weights()
-            self._served, self._taken_before_served = t.step, self.stats.trained
-        finally:
-            await t.rollout.release()
-        t._write_trajectories(trajs, advs)
-        metrics.update(
-            {
-                "time/wait_s": t_wait,
-                "time/train_s": t_train,
-                "time/step_s": time.perf_counter() - t0,
-            }
-        )
+        metrics = await t.update(groups, metrics, overlapped=True, on_synced=self._synced)
+        metrics["time/wait_s"] = t_wait
+        metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
+
+    def _synced(self) -> None:
+        # groups started from now on start at the new version (rollouts are still interrupted)
+        self._served, self._taken_before_served = self.trainer.step, self.stats.trained
 
     async def _shutdown(self) -> None:
         self._closing = True
@@ -320,31 +325,3 @@ class Pipeline:
         self._inflight.clear()
         self._started_at.clear()
         self._buffer.clear()
-
-
-async def run_overlapped(trainer: Trainer, t_start: float) -> None:
-    """Train ``trainer`` with the overlapped loop up to ``train.steps`` (or ``max_wall_s``).
-
-    Evaluation, logging and checkpoints follow the synchronous loop's schedule.
-
-    Args:
-        trainer: a trainer whose ``config.train.max_staleness`` is at least 1.
-        t_start: ``time.perf_counter()`` at the start of the run (for ``max_wall_s``).
-    """
-    cfg = trainer.config.train
-    if trainer.step >= cfg.steps:
-        return
-    pipeline = Pipeline(trainer)
-    async with aclosing(pipeline.steps()) as steps:
-        async for metrics in steps:
-            if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps:
-                metrics.update(await trainer.evaluate())
-            trainer._log(metrics)
-            if cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0:
-                trainer.save_checkpoint()
-            if trainer.step >= cfg.steps:
-                break
-            if cfg.max_wall_s is not None and time.perf_counter() - t_start > cfg.max_wall_s:
-                log.info("stopping at step %d: max_wall_s reached", trainer.step)
-                break
-    log.info("overlapped loop: %s", pipeline.stats)

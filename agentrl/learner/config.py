@@ -58,7 +58,7 @@ class LearnerConfig(BaseModel):
     backward (about a third less activation memory for a few percent of time)."""
     body: Literal["auto", "transformers", "packed"] = "auto"
     """How the model body runs on a packed micro-batch: ``transformers`` (its own forward),
-    ``packed`` (:mod:`agentrl.packed_body`: varlen attention, fusable layers; Qwen3, Qwen2,
+    ``packed`` (:mod:`agentrl.kernels.packed_body`: varlen attention, fusable layers; Qwen3, Qwen2,
     Llama, one process) or ``auto`` (packed on CUDA where supported, else transformers)."""
     compile: bool = False
     """``torch.compile`` the packed body's per-layer functions (fused norms, rotary, SwiGLU,
@@ -69,7 +69,7 @@ class LearnerConfig(BaseModel):
     (a slower first compile, faster steps)."""
     attention_kernel: Literal["flash", "triton"] = "flash"
     """Packed body on CUDA: FlashAttention-2 (torch's varlen attention) or this project's
-    Triton kernel (:mod:`agentrl.triton_attention`: about 1.3x faster forward + backward on an
+    Triton kernel (:mod:`agentrl.kernels.attention`: about 1.3x faster forward + backward on an
     H100 for GQA heads of 128; needs Triton)."""
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);

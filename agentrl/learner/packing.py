@@ -9,7 +9,8 @@ borders: for ``sdpa`` and ``eager`` attention we pass an explicit document-causa
 ``q`` sees token ``k`` iff both belong to the same sequence and ``k <= q``); for every other
 implementation (``flash_attention_*``, ``flex_attention``, ...) we pass no mask and transformers
 derives the sequence borders from the restarting ``position_ids`` (the varlen path). The
-learner's own packed body (:mod:`agentrl.packed_body`, ``attn_implementation="packed"``) takes
+learner's own packed body (:mod:`agentrl.kernels.packed_body`,
+``attn_implementation="packed"``) takes
 no mask either: it reads the sequence lengths.
 
 Cost of the explicit mask: ``sdpa`` and ``eager`` attend over the whole packed row and mask
@@ -19,7 +20,7 @@ tokens is faster than 8k. Varlen kernels (``flash_attention_2``) have no such wa
 
 Only the tokens that train (``loss_mask == 1``) are indexed as targets: :class:`PackedBatch`
 lists, for each, the row position whose hidden state predicts it, so the head never runs on
-prompt or observation tokens (:mod:`agentrl.logprobs`).
+prompt or observation tokens (:mod:`agentrl.learner.logprobs`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.kernels.transfer import to_device
 from agentrl.types import Trajectory
 
 # Attention implementations that take our explicit 4D mask; the others read position_ids.
@@ -180,18 +182,6 @@ def pack_sequences(lengths: Sequence[int], budget: int) -> list[list[int]]:
 def _flat(seqs: Sequence[Sequence[Any]], dtype: type, count: int) -> torch.Tensor:
     """The concatenation of ``seqs`` as one host tensor (numpy reads lists 4x faster)."""
     return torch.from_numpy(np.fromiter(chain.from_iterable(seqs), dtype=dtype, count=count))
-
-
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host tensor ``t`` on ``device``, without making the host wait for the GPU.
-
-    A plain host-to-GPU copy synchronises the stream: the host would wait for every queued
-    kernel before it can queue the next, and the GPU then idles. A copy from pinned memory is
-    queued like a kernel.
-    """
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def document_causal_mask(
