@@ -24,15 +24,8 @@ from pathlib import Path
 from agentrl.env import Env, StepResult
 from agentrl.errors import EnvError
 from agentrl.types import Message, Task
-from agentrl.verifiers.code import (
-    CodeTest,
-    ScoreMode,
-    extract_code,
-    load_humaneval,
-    load_jsonl,
-    parse_tests,
-    score_async,
-)
+from agentrl.verifiers.code import CodeTest, ScoreMode, extract_code, score_async
+from agentrl.verifiers.code_tasks import load_humaneval, load_jsonl, parse_tests
 from agentrl.verifiers.sandbox import Sandbox
 
 _DATA = Path(__file__).parent / "data" / "code_tasks.jsonl"

@@ -8,7 +8,7 @@ from agentrl.env import make
 from agentrl.envs.code import CodeEnv
 from agentrl.errors import EnvError
 from agentrl.types import Task
-from agentrl.verifiers.code import load_humaneval
+from agentrl.verifiers.code_tasks import load_humaneval
 
 SUM = Task(
     id="sum",

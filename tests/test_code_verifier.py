@@ -13,15 +13,17 @@ from agentrl.errors import ConfigError, VerifierError
 from agentrl.verifiers.code import (
     AssertTest,
     IOTest,
-    TaskFields,
     extract_code,
+    normalise_output,
+    score,
+    score_async,
+)
+from agentrl.verifiers.code_tasks import (
+    TaskFields,
     load_humaneval,
     load_jsonl,
     load_parquet,
-    normalise_output,
     parse_tests,
-    score,
-    score_async,
     tasks_from_records,
     validate_solutions,
 )

@@ -40,52 +40,39 @@ averaged gradient equals the single-process one. A reference model is kept whole
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from agentrl.errors import ConfigError
-from agentrl.kernels.packed_body import PackedBody, unsupported_reason
-from agentrl.learner.checkpoint import (
-    full_state_dict,
-    load_training_state,
-    load_training_state_from,
-    save_hf_checkpoint,
-    save_training_state,
-    training_state,
-)
 from agentrl.learner.config import LearnerConfig
+from agentrl.learner.diagnostics import mismatch_stats, tis_weights, trainer_logprobs_by_sample
 from agentrl.learner.distributed import (
     StepStats,
     equalize_counts,
-    gather_dict,
     rank_share,
     shard,
     world,
 )
+from agentrl.learner.export import LearnerWeights
 from agentrl.learner.logprobs import LogprobModel
 from agentrl.learner.losses import get_loss, kl_to_reference
+from agentrl.learner.model import choose_body, wrap_model
 from agentrl.learner.packing import (
     PackedBatch,
     TrainSample,
     build_packed_batch,
     masked_values,
     pack_sequences,
-    samples_from_trajectories,
 )
 
-__all__ = ["Learner", "LearnerConfig", "TrainSample", "samples_from_trajectories"]
+__all__ = ["Learner"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,52 +111,7 @@ class _Prepared:
         return self.built[key]
 
 
-def _mismatch_stats(
-    batch: PackedBatch, trainer: torch.Tensor, engine: torch.Tensor, stats: StepStats
-) -> None:
-    """Trainer vs engine log-probs of one micro-batch, on the device, read at the step's end."""
-    diff = trainer.float() - engine  # (n,)
-    n = diff.numel()
-    if n == 0:
-        return
-    seq_mean, counts = batch.sequence_means(diff)  # (S,) a sequence's mean log-ratio
-    trained = counts > 0
-    values = torch.stack(
-        [
-            diff.abs().sum(),
-            diff.abs().max(),
-            torch.where(trained, seq_mean, 0.0).sum(),
-            torch.where(trained, seq_mean.abs(), 0.0).max(),
-            trained.sum(),
-        ]
-    )
-
-    def record(stats: StepStats) -> None:
-        abs_sum, abs_max, seq_sum, seq_abs_max, num_seqs = values.tolist()
-        stats.mean("mismatch/mean_abs", abs_sum / n, n)
-        stats.extreme("mismatch/max_abs", abs_max, high=True)
-        stats.mean("mismatch/seq_log_ratio_mean", seq_sum / num_seqs, num_seqs)
-        stats.extreme("mismatch/seq_log_ratio_abs_max", seq_abs_max, high=True)
-
-    stats.later(record)
-
-
-def _tis_weights(
-    trainer: torch.Tensor, engine: torch.Tensor, batch: PackedBatch, level: str, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights per target, and which of them were capped.
-
-    ``min(exp(trainer - engine), cap)``; at ``sequence`` level the log-ratio is the mean over
-    the sequence's trained tokens (GSPO's length-normalised ratio).
-    """
-    log_w = trainer - engine  # (n,)
-    if level == "sequence":
-        log_w = batch.sequence_means(log_w)[0][batch.seq_index]  # (n,) its sequence's mean
-    raw = log_w.exp()
-    return raw.clamp(max=cap), raw > cap
-
-
-class Learner:
+class Learner(LearnerWeights):
     """Trains a causal LM on rollout batches; see the module docstring.
 
     Args:
@@ -198,7 +140,7 @@ class Learner:
         self.architecture = type(model).__name__  # before FSDP renames the class
         self._attn = str(model.config._attn_implementation)
         nn.Module.to(model, torch.float32)  # float32 master weights
-        self.body = self._choose_body(model)
+        self.body = choose_body(config, model, self.device, self.world_size)
         if self.body == "packed":
             self._attn = "packed"  # no mask: the packed body reads the sequence lengths
         elif config.checkpoint_layers or config.selective_recompute:
@@ -209,14 +151,14 @@ class Learner:
         elif config.gradient_checkpointing:  # transformers 5 renamed it
             enable = getattr(model, "activation_checkpointing_enable", None)
             (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
-        self.module = self._wrap(model)
+        self.module = wrap_model(model, config, self.body, self.device)
         if self.world_size > 1:
             shard(model, self.module, self.device, self.world_size)
         self.ref: LogprobModel | None = None
         if ref_model is not None:
             nn.Module.to(ref_model, device=self.device, dtype=torch.float32)
             ref_model.eval().requires_grad_(False)
-            self.ref = self._wrap(ref_model)
+            self.ref = wrap_model(ref_model, config, self.body, self.device)
         self._loss_fn = get_loss(config.loss)
         eps = {"eps_low": config.eps_low, "eps_high": config.eps_high}
         self._eps = {k: v for k, v in eps.items() if v is not None}
@@ -228,52 +170,6 @@ class Learner:
         mini-batch, after the earlier mini-batches' updates for the rest (before any update for
         all samples when old log-probs are recomputed)."""
         self.optimizer = self._make_optimizer()
-
-    def _choose_body(self, model: PreTrainedModel) -> str:
-        """``packed`` or ``transformers``, from ``config.body`` and what can run here."""
-        wanted = self.config.body
-        if wanted == "transformers":
-            return wanted
-        reason = unsupported_reason(model)
-        if reason is None and self.world_size > 1:
-            reason = "FSDP (more than one rank)"
-        if wanted == "packed" and reason is not None:
-            raise ConfigError(f"body: 'packed' does not support {reason}; use body='transformers'")
-        if wanted == "auto" and (reason is not None or self.device.type != "cuda"):
-            return "transformers"
-        return "packed"
-
-    def _wrap(self, model: PreTrainedModel) -> LogprobModel:
-        c = self.config
-        autocast = torch.bfloat16 if c.dtype == "bfloat16" else None
-        head = c.dtype if c.head_dtype == "auto" else c.head_dtype
-        body = None
-        if self.body == "packed":
-            layers = c.checkpoint_layers
-            if layers is None:
-                layers = model.config.num_hidden_layers if c.gradient_checkpointing else 0
-            attention = "auto"
-            if c.attention_kernel == "triton":
-                if self.device.type != "cuda" or importlib.util.find_spec("triton") is None:
-                    raise ConfigError("attention_kernel: 'triton' needs CUDA and Triton")
-                attention = "triton"
-            body = PackedBody(
-                model,
-                attention=attention,
-                compile=c.compile,
-                checkpoint_layers=layers,
-                selective=c.selective_recompute,
-                tuned=c.compile_tuning,
-            )
-        return LogprobModel(
-            model,
-            temperature=c.temperature,
-            chunk_size=c.logprob_chunk_size,
-            autocast_dtype=autocast,
-            head_dtype=getattr(torch, head),
-            fused_head="tuned" if c.compile and c.compile_tuning else c.compile,
-            body=body,
-        )
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -318,7 +214,9 @@ class Learner:
             for m in micro_k:  # mismatch metrics on the first mini-batch (before any update)
                 self._micro_step(samples, m, prepared, num_seqs, old_trainer, stats, first, k == 0)
             self._optimizer_step(stats)
-        self._record_trainer_logprobs(samples, old_trainer if old_trainer is not None else first)
+        self.last_trainer_logprobs = trainer_logprobs_by_sample(
+            samples, old_trainer if old_trainer is not None else first
+        )
         out = stats.merged().result()
         for key in ("loss/policy", "loss/kl"):  # summed over micro-batches and ranks
             if key in out:
@@ -407,9 +305,9 @@ class Learner:
         old = torch.cat([old_trainer[i] for i in micro]) if old_trainer is not None else engine
         if mismatch:
             trainer = old if old_trainer is not None else logprobs.detach()
-            _mismatch_stats(batch, trainer, engine, stats)
+            mismatch_stats(batch, trainer, engine, stats)
         if self.config.tis is not None:
-            w, capped = _tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
+            w, capped = tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
             adv = adv * w
             capped_frac, w_mean, n = capped.float().mean(), w.mean(), w.numel()
             stats.later(lambda s: s.mean("tis/capped_frac", capped_frac.item(), n))
@@ -494,91 +392,3 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         stats.mean("loss/grad_norm", value, 1.0 / self.world_size)
         stats.extreme("loss/grad_norm_max", value, high=True)
-
-    def _record_trainer_logprobs(
-        self, samples: Sequence[TrainSample], pre_update: dict[int, torch.Tensor]
-    ) -> None:
-        """``last_trainer_logprobs`` (full length, 0 where nothing trains) for the viewer.
-
-        Vectorised: this host work sits between two steps, with the GPU idle.
-        """
-        local: dict[int, list[float]] = {}
-        keys = list(pre_update)
-        if keys:
-            trainer = torch.cat([pre_update[i].float() for i in keys]).cpu().numpy()  # one copy
-            lengths = [len(samples[i].loss_mask) for i in keys]
-            flat = chain.from_iterable(samples[i].loss_mask for i in keys)
-            mask = np.fromiter(flat, dtype=bool, count=sum(lengths))
-            full = np.zeros(mask.shape[0], dtype=np.float32)
-            full[mask] = trainer
-            rows = np.split(full, np.cumsum(lengths)[:-1])
-            local = {i: row.tolist() for i, row in zip(keys, rows, strict=True)}
-        gathered = gather_dict(local)
-        self.last_trainer_logprobs = [gathered.get(i) for i in range(len(samples))]
-
-    # ------------------------------------------------------------------ weights and checkpoints
-
-    def state_dict_for_inference(self) -> dict[str, torch.Tensor]:
-        """Full weights under the model's Hugging Face names, in the dtype it came in.
-
-        Under FSDP every rank must call this (the shards are gathered).
-        """
-        return full_state_dict(self.model, self.export_dtype)
-
-    def save_pretrained(self, path: str | Path, tokenizer: Any | None = None) -> Path:
-        """Write a Hugging Face checkpoint (config + ``model.safetensors``) for the engine.
-
-        What SGLang's ``update_weights_from_disk`` loads. Under FSDP every rank must call it;
-        rank 0 writes.
-
-        Args:
-            path: output directory (created).
-            tokenizer: optionally saved alongside.
-
-        Returns:
-            The directory.
-        """
-        weights = self.state_dict_for_inference()
-        if self.rank != 0:
-            return Path(path)
-        return save_hf_checkpoint(
-            self.model,
-            weights,
-            path,
-            architecture=self.architecture,
-            dtype=self.export_dtype,
-            tokenizer=tokenizer,
-        )
-
-    def state(self) -> dict[str, Any]:
-        """A snapshot of model, optimizer, RNG and step count (this rank's shards under FSDP)."""
-        return {**training_state(self.module, self.optimizer), "num_steps": self.num_steps}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state` snapshot taken on the same model and number of ranks."""
-        self.reset_optimizer()
-        load_training_state(self.module, self.optimizer, state)
-        self.num_steps = int(state["num_steps"])
-
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Write model, optimizer, RNG and step count under ``path/learner`` (every rank calls)."""
-        save_training_state(
-            self.module,
-            self.optimizer,
-            Path(path) / "learner",
-            rank=self.rank,
-            world_size=self.world_size,
-            meta={"num_steps": self.num_steps},
-        )
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same model and number of ranks)."""
-        self.reset_optimizer()
-        meta = load_training_state_from(
-            self.module,
-            self.optimizer,
-            Path(path) / "learner",
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        self.num_steps = int(meta["num_steps"])
