@@ -42,6 +42,7 @@ from agentrl.inference.sglang_api import (
     serde_unexpected,
     version_spans,
 )
+from agentrl.inference.weight_receive import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class EngineServer:
         self._startup_label = weight_version
         self._startup_time = time.time()
         self.host, self.port = "", 0
+        self.weights = WeightReceiver(engine, self._labels.__setitem__)
+        """The distributed weight push's receiving side (``/init_weights_update_group``, ...)."""
 
     def label_of(self, version: int) -> str:
         """The wire label of an engine version."""
@@ -150,6 +153,7 @@ class EngineServer:
                 get("/get_server_info", self.server_info),
                 get("/v1/models", self.models),
                 get("/v1/loads", self.loads),
+                *self.weights.routes(),
             ]
         )
         return app

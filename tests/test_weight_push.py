@@ -1,0 +1,109 @@
+"""The distributed weight push (SGLang's protocol) from this process to real servers, on gloo."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from agentrl.errors import ServerError
+from agentrl.inference.base import SamplingParams
+from agentrl.inference.client import SGLangClient
+from agentrl.inference.weight_group import buckets, dtype_name, parse_dtype
+from agentrl.inference.weight_push import DistributedWeightPush
+from agentrl.tiny import build_tiny_model
+
+TOL = 1e-5  # float32 on CPU: the served log-probs equal a teacher-forced pass of the pushed model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_buckets_are_bounded_and_keep_order() -> None:
+    named = [(f"w{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]  # float32
+    parts = list(buckets(named, bucket_bytes=80))
+    assert [[n for n, _ in p] for p in parts] == [["w0", "w1"], ["w2"], ["w3", "w4", "w5"]]
+    assert parse_dtype(dtype_name(torch.bfloat16)) is torch.bfloat16
+    assert parse_dtype("torch.float32") is torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        parse_dtype("complex64")
+
+
+@pytest.mark.slow
+async def test_push_over_a_group_serves_the_new_weights(
+    tiny_server_factory, tiny, teacher_logprobs
+) -> None:
+    servers = [tiny_server_factory(), tiny_server_factory()]  # ranks 1 and 2 of the group
+    tokenizer = tiny[1]
+    pushed = build_tiny_model(tokenizer, seed=1)  # the servers start from seed 0
+    weights = {k: v.detach().clone() for k, v in pushed.state_dict().items()}
+    push = DistributedWeightPush(
+        [s.url for s in servers],
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        backend="gloo",  # CPU servers join over gloo (NCCL is the GPU path)
+        device="cpu",
+        bucket_mb=0.05,  # many buckets: the version must switch only after the last one
+        timeout_s=60,
+    )
+    prompt = [1, 30, 31]
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, ignore_eos=True, seed=5)
+    try:
+        seconds = await push.push(weights, 7)
+        assert seconds > 0 and push.last_push_s == seconds
+        for server in servers:
+            async with SGLangClient(server.url) as client:
+                assert (await client.model_info())["weight_version"] == "7"
+                out = await client.generate(prompt, params)
+                assert out.versions == [7] * 12
+                new = teacher_logprobs(pushed, prompt, out.output_ids, 0.9)
+                assert max(abs(a - b) for a, b in zip(out.logprobs, new, strict=True)) < TOL
+
+        # a bucket the model cannot take is refused; the servers keep version 7 and the group
+        # stays in step, so the next push succeeds
+        bad = dict(weights)
+        name = "model.embed_tokens.weight"
+        bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
+        with pytest.raises(ServerError, match="refused"):
+            await push.push(bad, 8)
+        async with SGLangClient(servers[0].url) as client:
+            assert (await client.model_info())["weight_version"] == "7"
+        weights2 = {k: v * 0.5 for k, v in weights.items()}
+        await push.push(weights2, 9)
+        halved = build_tiny_model(tokenizer, seed=1)
+        halved.load_state_dict(weights2)
+        async with SGLangClient(servers[1].url) as client:
+            assert (await client.model_info())["weight_version"] == "9"
+            out = await client.generate(prompt, params)
+            new = teacher_logprobs(halved, prompt, out.output_ids, 0.9)
+            assert max(abs(a - b) for a, b in zip(out.logprobs, new, strict=True)) < TOL
+    finally:
+        await push.aclose()
+    # after the group is destroyed, a new group forms on the same servers
+    again = DistributedWeightPush(
+        [servers[0].url], master_address="127.0.0.1", master_port=free_port(),
+        backend="gloo", device="cpu", timeout_s=60,
+    )
+    try:
+        await again.push(weights, 10)
+        async with SGLangClient(servers[0].url) as client:
+            assert (await client.model_info())["weight_version"] == "10"
+    finally:
+        await again.aclose()
+
+
+async def test_update_without_a_group_is_refused(tiny_server) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        body = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
+        async with s.post(tiny_server.url + "/update_weights_from_distributed", json=body) as r:
+            assert r.status == 400
+            payload = await r.json()
+            assert payload["success"] is False and "init it first" in payload["message"]
+        async with s.post(tiny_server.url + "/destroy_weights_update_group", json={}) as r:
+            assert r.status == 400
