@@ -26,20 +26,16 @@ Design:
   sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
 - **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
   arriving, so the requests re-sent after a weight update are prefilled in one forward.
-- **Two paths.** On CUDA (for Qwen3, Qwen2 and Llama models) the engine runs the *paged* path:
-  a preallocated paged KV cache with prefix reuse across requests and turns
-  (:mod:`~agentrl.inference.kv_cache`), decode steps captured as CUDA graphs and the learner's
-  layer math (:mod:`~agentrl.inference.paged_runner`), vectorised sampling
-  (:mod:`~agentrl.inference.sampling`). Elsewhere (or with ``paged=False``) it runs the
-  transformers model with a left-padded ``DynamicCache`` (float32 on CPU: log-probs equal a
-  teacher-forced pass to ~1e-6). Both keep every contract above.
+- **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
+  reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
+  ``kv_cache.py``, ``sampling.py``). Elsewhere (or ``paged=False``) transformers' forward over a
+  left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from teacher forcing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import secrets
 import uuid
@@ -57,8 +53,7 @@ from agentrl.inference._engine_ops import (
     read_safetensors_dir,
 )
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.inference.kv_cache import page_bytes
-from agentrl.inference.paged_batcher import PagedBatcher
+from agentrl.inference.paged_batcher import build_paged
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.sglang_api import warn_if_truncating
 from agentrl.packed_body import unsupported_reason
@@ -71,34 +66,6 @@ RESUME_SETTLE_S = 0.002
 """After ``resume``: the first step waits until no request arrived for this long ..."""
 RESUME_SETTLE_MAX_S = 0.05
 """... or this long in all."""
-DEFAULT_KV_CACHE_FRAC = 0.5
-"""Paged path on CUDA: share of the free GPU memory the KV cache takes by default."""
-DEFAULT_KV_CACHE_GIB_CPU = 0.25
-"""Paged path on CPU (tests): KV cache size by default."""
-
-
-def kv_cache_pages(
-    device: torch.device,
-    page: int,
-    *,
-    kv_cache_gib: float | None,
-    kv_cache_frac: float | None,
-    most: int,
-) -> int:
-    """Pages of ``page`` bytes that the KV cache budget allows (at most ``most``, + scratch)."""
-    if kv_cache_gib is not None and kv_cache_frac is not None:
-        raise ValueError("kv_cache_gib and kv_cache_frac: give at most one")
-    if kv_cache_gib is not None:
-        budget = kv_cache_gib * 2**30
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * (kv_cache_frac if kv_cache_frac is not None else DEFAULT_KV_CACHE_FRAC)
-    else:
-        budget = DEFAULT_KV_CACHE_GIB_CPU * 2**30 * (kv_cache_frac or 1.0)
-    pages = min(int(budget // page), most) + 1
-    if pages < 2:
-        raise ValueError(f"KV cache budget: {budget / 2**30:.3f} GiB holds no page of {page} bytes")
-    return pages
 
 
 class LocalEngine:
@@ -120,18 +87,10 @@ class LocalEngine:
         weight_version: the version of the loaded weights.
         max_prefill_tokens: prompt tokens prefilled together in one step (at least one request).
         seed: seed of the shared sampling stream (requests with ``seed`` use their own).
-        paged: run the paged path (default: on CUDA when the model supports it).
-        kv_cache_gib: paged path: KV cache size in GiB, allocated once at construction.
-        kv_cache_frac: paged path: or this share of the device's free memory at construction
-            (default ``DEFAULT_KV_CACHE_FRAC`` on CUDA); give at most one of the two.
-            Never more than ``max_batch_size`` full-length sequences need.
-        page_size: paged path: tokens per KV page (the granularity of prefix reuse).
-        compute_dtype: paged path: dtype of the matmul inputs and the KV cache (default: the
-            model's). ``bfloat16`` over a float32 model computes what the learner computes
-            under bf16 autocast (float32 residual stream and norms).
-        cuda_graphs: paged path: capture decode steps as CUDA graphs.
-        compile: paged path: ``torch.compile`` the per-layer functions.
-        prefix_cache: paged path: reuse cached prefixes across requests and turns.
+        paged: run the paged path (default: on CUDA when the model supports it); its options,
+            ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
+            free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``
+            and ``prefix_cache``, are :func:`~agentrl.inference.paged_batcher.build_paged`'s.
     """
 
     def __init__(
@@ -151,7 +110,7 @@ class LocalEngine:
         page_size: int = 16,
         compute_dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,
-        compile: bool = False,
+        compile: bool | None = None,
         prefix_cache: bool = True,
     ) -> None:
         if max_batch_size < 1:
@@ -168,53 +127,25 @@ class LocalEngine:
         self._runner = ModelRunner(model, pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0))
         # Unseeded: fresh entropy, without reseeding torch's global generator.
         seed = seed if seed is not None else secrets.randbits(63)
-        batching: dict[str, Any] = {
-            "max_batch_size": max_batch_size,
-            "max_prefill_tokens": max_prefill_tokens,
-            "max_model_len": self.max_model_len,
-            "version": lambda: self._version,
-        }
-        if paged is None:
-            paged = self.device.type == "cuda" and unsupported_reason(model) is None
+        batching: dict[str, Any] = dict(
+            max_batch_size=max_batch_size, version=lambda: self._version
+        )
+        batching |= dict(max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len)
+        cuda = self.device.type == "cuda"
+        paged = cuda and unsupported_reason(model) is None if paged is None else paged
         self._paged: PagedRunner | None = None
         self._batcher: Batcher
         if paged:
-            cfg = model.config
-            dtype_kv = compute_dtype or model.get_input_embeddings().weight.dtype
-            kv_heads = int(cfg.num_key_value_heads)
-            head_dim = int(
-                getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            options: dict[str, Any] = dict(kv_cache_gib=kv_cache_gib, kv_cache_frac=kv_cache_frac)
+            options |= dict(
+                page_size=page_size, compute_dtype=compute_dtype, cuda_graphs=cuda_graphs
             )
-            per_page = page_bytes(
-                num_layers=int(cfg.num_hidden_layers),
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                page_size=page_size,
-                dtype=dtype_kv,
-            )
-            most = max_batch_size * math.ceil(self.max_model_len / page_size)
-            self._paged = PagedRunner(
-                model,
-                num_pages=kv_cache_pages(
-                    self.device,
-                    per_page,
-                    kv_cache_gib=kv_cache_gib,
-                    kv_cache_frac=kv_cache_frac,
-                    most=most,
-                ),
-                page_size=page_size,
-                max_batch_size=max_batch_size,
-                max_model_len=self.max_model_len,
-                compute_dtype=compute_dtype,
-                cuda_graphs=cuda_graphs,
-                compile=compile,
-            )
-            self._batcher = PagedBatcher(
-                self._paged, random.Random(seed), prefix_cache=prefix_cache, **batching
+            options |= dict(compile=cuda if compile is None else compile, prefix_cache=prefix_cache)
+            self._paged, self._batcher = build_paged(
+                model, random.Random(seed), **options, **batching
             )
         else:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
             self._batcher = Batcher(self._runner, generator, **batching)
         self._requests = self._batcher.requests  # open requests by rid
         self._paused = False
@@ -297,23 +228,15 @@ class LocalEngine:
         }
 
     def prefill_stats(self) -> dict[str, int]:
-        """Prefill forwards so far, their requests and tokens (cumulative).
-
-        ``tokens`` counts every prompt token of the prefilled requests, ``cached_tokens`` those
-        a reused prefix held (paged path) and ``computed_tokens`` the rest.
-        """
-        stats = self._batcher.prefills
-        return {
-            "steps": stats.steps,
-            "requests": stats.requests,
-            "tokens": stats.tokens,
-            "cached_tokens": stats.cached_tokens,
-            "computed_tokens": stats.tokens - stats.cached_tokens,
-        }
+        """Cumulative prefill steps, requests, tokens (cached + computed: prefix reuse)."""
+        st = self._batcher.prefills
+        return {"steps": st.steps, "requests": st.requests, "tokens": st.tokens} | {
+            "cached_tokens": st.cached_tokens, "computed_tokens": st.tokens - st.cached_tokens
+        }  # fmt: skip
 
     @property
     def paged(self) -> bool:
-        """Whether the engine runs the paged path (KV pages, CUDA graphs, prefix reuse)."""
+        """Whether the engine runs the paged path."""
         return self._paged is not None
 
     def num_output_tokens(self, rid: str) -> int | None:
@@ -416,8 +339,7 @@ class LocalEngine:
                 self._wake.set()
         logger.info("engine weights updated; weight_version=%d", self._version)
 
-    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy ``state_dict`` into the model in place (device to device if it is on the GPU)."""
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:  # in place, device to device
         load_state_dict_strict(self.model, state_dict)
         if self._paged is not None:
             self._paged.refresh_weights()
