@@ -1,5 +1,12 @@
 """LocalEngine throughput: 1, 8 and 64 concurrent requests against sequential `model.generate`.
 
+Also a multi-turn mode (`--turns 4 --obs-tokens 32`): episodes whose every turn appends the
+previous output and an observation; measured with and without prefix reuse (prefill tokens
+computed, episodes/s), and the mismatch of the engine's log-probs against the learner's
+(`LogprobModel` with the packed body, bf16 autocast over the same float32 weights), per token
+position and per turn. On a GPU the model is float32 (the learner's master weights) and the
+engine computes in bf16 (`compute_dtype`), as the colocated training loop runs it.
+
 Same model, same prompt length, same number of new tokens (EOS ignored), temperature 1 with
 full-vocabulary sampling. `--model tiny` (default) runs anywhere on CPU; `--model
 qwen3-0.6b-shape` builds a Qwen3-0.6B-shaped model from its config with random weights (bf16 on
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import platform
@@ -32,12 +40,11 @@ from agentrl.inference.engine import LocalEngine
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny
 
 
-def build_model(name: str, device: str) -> tuple[Any, Any]:
+def build_model(name: str, device: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     if name == "tiny":
         model, tokenizer = build_tiny()
         return model.to(device), tokenizer
     config = Qwen3Config(**QWEN3_0_6B_SHAPE, eos_token_id=151645, pad_token_id=151643)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype)
@@ -115,29 +122,153 @@ def logprob_mismatch(model: Any, batch: list[list[int]], outs: list[Any], device
     return worst
 
 
+async def multi_turn(
+    engine: LocalEngine, args: argparse.Namespace, vocab: int
+) -> tuple[float, list[list[int]], list[list[Any]]]:
+    """``args.episodes`` episodes of ``args.turns`` turns at once: episodes/s, inputs, outputs."""
+    gen = torch.Generator().manual_seed(7)
+    params = SamplingParams(max_new_tokens=args.turn_tokens, temperature=1.0, ignore_eos=True)
+
+    async def episode(i: int) -> tuple[list[int], list[Any]]:
+        ids = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+        outs = []
+        for turn in range(args.turns):
+            if turn:
+                ids = ids + outs[-1].output_ids
+                ids += torch.randint(3, vocab, (args.obs_tokens,), generator=gen).tolist()
+            outs.append(await engine.generate(list(ids), params))
+        return ids, outs
+
+    start = time.perf_counter()
+    done = await asyncio.gather(*(episode(i) for i in range(args.episodes)))
+    elapsed = time.perf_counter() - start
+    return args.episodes / elapsed, [d[0] for d in done], [d[1] for d in done]
+
+
+def learner_mismatch(
+    model: Any, finals: list[list[int]], outs: list[list[Any]]
+) -> tuple[float, list[float], list[float]]:
+    """Max |engine - learner| log-prob: overall, per turn, per output position (buckets of 16).
+
+    The learner is ``LogprobModel`` with the packed body under bf16 autocast and a bf16 head,
+    on the same float32 weights, over each episode's last input plus its last output.
+    """
+    from agentrl.logprobs import LogprobModel
+    from agentrl.packed_body import PackedBody
+
+    learner = LogprobModel(
+        model,
+        temperature=1.0,
+        chunk_size=1024,
+        autocast_dtype=torch.bfloat16,
+        head_dtype=torch.bfloat16,
+        body=PackedBody(model),
+    )
+    device = next(model.parameters()).device
+    per_turn = [0.0] * len(outs[0])
+    per_pos: list[float] = []
+    for final, turns in zip(finals, outs, strict=True):
+        seq = final + turns[-1].output_ids
+        index, targets, engine_lp, tags = [], [], [], []
+        for t, turn_out in enumerate(turns):
+            begin = turn_out.prompt_tokens  # the turn's input length = where its output starts
+            for j, (tok, lp) in enumerate(zip(turn_out.output_ids, turn_out.logprobs, strict=True)):
+                if begin + j >= len(seq) or seq[begin + j] != tok:
+                    break
+                index.append(begin + j - 1)
+                targets.append(tok)
+                engine_lp.append(lp)
+                tags.append((t, j))
+        ids = torch.tensor([seq], device=device)
+        with torch.inference_mode():
+            got, _ = learner(
+                ids,
+                torch.arange(len(seq), device=device)[None],
+                None,
+                torch.tensor(index, device=device),
+                torch.tensor(targets, device=device),
+                (len(seq),),
+            )
+        diff = (got.float().cpu() - torch.tensor(engine_lp)).abs().tolist()
+        for (t, j), d in zip(tags, diff, strict=True):
+            per_turn[t] = max(per_turn[t], d)
+            while len(per_pos) <= j // 16:
+                per_pos.append(0.0)
+            per_pos[j // 16] = max(per_pos[j // 16], d)
+    return max(per_turn), per_turn, per_pos
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = build_model(args.model, device)
     vocab = model.config.vocab_size
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = LocalEngine(model, tokenizer, max_batch_size=max(levels), seed=0)
-    await bench_engine(engine, prompts(2, args.prompt_len, vocab, 99), 4, device)  # warm-up
-    bench_hf(model, prompts(1, args.prompt_len, vocab, 98), 4, device)
-    hf_tps = bench_hf(
-        model, prompts(args.hf_requests, args.prompt_len, vocab, 1), args.new_tokens, device
+    cuda = device.startswith("cuda")
+    kw: dict[str, Any] = {"compute_dtype": torch.bfloat16} if cuda else {}
+    if args.paged:
+        kw["paged"] = True
+    engine_model = copy.deepcopy(model)  # the engine owns its copy; the learner reads model
+    engine = LocalEngine(
+        engine_model, tokenizer, max_batch_size=max(levels), seed=0, compile=args.compile, **kw
     )
+    await bench_engine(engine, prompts(2, args.prompt_len, vocab, 99), 4, device)  # warm-up
+    hf_tps = float("nan")
+    if args.hf_requests:
+        bench_hf(engine_model, prompts(1, args.prompt_len, vocab, 98), 4, device)
+        hf_tps = bench_hf(
+            engine_model,
+            prompts(args.hf_requests, args.prompt_len, vocab, 1),
+            args.new_tokens,
+            device,
+        )
     rows: dict[int, float] = {}
     mismatch = 0.0
     for level in levels:
         batch = prompts(level, args.prompt_len, vocab, 2 + level)
+        await bench_engine(engine, batch[: min(level, 8)], 8, device)  # captures the bucket
         rows[level], outs = await bench_engine(engine, batch, args.new_tokens, device)
-        mismatch = max(mismatch, logprob_mismatch(model, batch, outs, device))
-    await engine.aclose()
+        if not cuda:
+            mismatch = max(mismatch, logprob_mismatch(engine_model, batch, outs, device))
+    turns: dict[str, Any] = {}
+    if args.turns and engine.paged:
+        before = engine.prefill_stats()
+        eps_reuse, finals, outs_mt = await multi_turn(engine, args, vocab)
+        after = engine.prefill_stats()
+        total = after["tokens"] - before["tokens"]
+        cached = after["cached_tokens"] - before["cached_tokens"]
+        await engine.aclose()
+        cold = LocalEngine(
+            engine_model,
+            tokenizer,
+            max_batch_size=max(levels),
+            seed=0,
+            prefix_cache=False,
+            compile=args.compile,
+            **kw,
+        )
+        await bench_engine(cold, prompts(2, args.prompt_len, vocab, 99), 4, device)
+        eps_cold, _, _ = await multi_turn(cold, args, vocab)
+        await cold.aclose()
+        worst, per_turn, per_pos = learner_mismatch(model, finals, outs_mt)
+        turns = {
+            "episodes_per_s_prefix_reuse": round(eps_reuse, 2),
+            "episodes_per_s_no_reuse": round(eps_cold, 2),
+            "prefill_tokens_total": total,
+            "prefill_tokens_cached": cached,
+            "prefix_reuse_frac": round(cached / max(total, 1), 4),
+            "logprob_max_abs_diff_vs_learner": worst,
+            "logprob_diff_vs_learner_per_turn": per_turn,
+            "logprob_diff_vs_learner_per_16_positions": per_pos,
+        }
+    else:
+        await engine.aclose()
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name()
     print(f"\nLocalEngine throughput ({args.model}, {device}: {machine})")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request\n")
     print(f"{'setup':<34}{'tokens/s':>12}{'vs sequential':>16}")
     print(f"{'sequential model.generate':<34}{hf_tps:>12.1f}{1.0:>15.2f}x")
+    for key, value in turns.items():
+        print(f"multi-turn {key}: {value}")
     for level, tps in rows.items():
         print(f"{f'LocalEngine, {level} concurrent':<34}{tps:>12.1f}{tps / hf_tps:>15.2f}x")
     print(f"\nmax |engine logprob - teacher-forced| = {mismatch:.2e}")
@@ -149,11 +280,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "hf_sequential_tokens_per_s": round(hf_tps, 1),
+        "hf_sequential_tokens_per_s": None if hf_tps != hf_tps else round(hf_tps, 1),
         **{f"engine_{level}_tokens_per_s": round(tps, 1) for level, tps in rows.items()},
         "logprob_max_abs_diff": mismatch,
+        "paged": engine.paged,
+        **turns,
     }
-    if 64 in rows:
+    if 64 in rows and hf_tps == hf_tps:
         result["batching_speedup_64"] = round(rows[64] / hf_tps, 2)
         if 1 in rows:
             result["engine_speedup_64_vs_1"] = round(rows[64] / rows[1], 2)
@@ -168,6 +301,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--hf-requests", type=int, default=4, help="sequential baseline requests")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn mode: turns (0: off)")
+    parser.add_argument("--obs-tokens", type=int, default=32, help="observation between turns")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="new tokens per turn")
+    parser.add_argument("--episodes", type=int, default=64, help="multi-turn episodes at once")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the engine layers")
+    parser.add_argument("--paged", action="store_true", help="the paged path on CPU too")
     args = parser.parse_args()
     result = asyncio.run(run(args))
     print(json.dumps(result))

@@ -257,6 +257,12 @@ class Request:
     num_retractions: int = 0
     aborted: str | None = None  # abort message, pending until the step in flight is applied
     start: float = field(default_factory=time.perf_counter)
+    # paged engine only (agentrl.inference.paged_batcher)
+    seed: int = 0  # sampling noise seed
+    pages: list[int] = field(default_factory=list)  # KV cache pages, in order
+    kv_len: int = 0  # tokens whose keys and values are in ``pages``
+    row: int = -1  # block-table row while it holds pages
+    epoch: int = 0  # weights epoch its cache was computed with
 
     @property
     def done(self) -> bool:
@@ -270,6 +276,7 @@ class PrefillStats:
     steps: int = 0
     requests: int = 0
     tokens: int = 0
+    cached_tokens: int = 0  # of ``tokens``, those a reused prefix held (paged engine)
 
     def add(self, joining: list[Request]) -> None:
         self.steps += 1
@@ -316,6 +323,9 @@ class Batcher:
         self.batch: BatchCache | None = None
         self.stepping: set[int] = set()  # ids of the requests in the step being computed
         self.prefills = PrefillStats()
+
+    def weights_changed(self) -> None:
+        """New weights are loaded (the paged batcher drops its cached prefixes)."""
 
     def reset(self) -> None:
         """Drop every request and the cache (their event loop is gone)."""

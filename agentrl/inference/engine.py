@@ -26,12 +26,17 @@ Design:
   sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
 - **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
   arriving, so the requests re-sent after a weight update are prefilled in one forward.
+- **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
+  reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
+  ``kv_cache.py``, ``sampling.py``). Elsewhere (or ``paged=False``) transformers' forward over a
+  left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from teacher forcing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import uuid
 from typing import Any, Literal
@@ -48,7 +53,10 @@ from agentrl.inference._engine_ops import (
     read_safetensors_dir,
 )
 from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.paged_batcher import build_paged
+from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.sglang_api import warn_if_truncating
+from agentrl.packed_body import unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,10 @@ class LocalEngine:
         weight_version: the version of the loaded weights.
         max_prefill_tokens: prompt tokens prefilled together in one step (at least one request).
         seed: seed of the shared sampling stream (requests with ``seed`` use their own).
+        paged: run the paged path (default: on CUDA when the model supports it); its options,
+            ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
+            free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``
+            and ``prefix_cache``, are :func:`~agentrl.inference.paged_batcher.build_paged`'s.
     """
 
     def __init__(
@@ -92,6 +104,14 @@ class LocalEngine:
         weight_version: int = 0,
         max_prefill_tokens: int = 16384,
         seed: int | None = None,
+        paged: bool | None = None,
+        kv_cache_gib: float | None = None,
+        kv_cache_frac: float | None = None,
+        page_size: int = 16,
+        compute_dtype: torch.dtype | None = None,
+        cuda_graphs: bool = True,
+        compile: bool | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
@@ -105,17 +125,28 @@ class LocalEngine:
         self._eos = eos_token_ids(model, tokenizer)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
         self._runner = ModelRunner(model, pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0))
-        generator = torch.Generator(device=self.device)
         # Unseeded: fresh entropy, without reseeding torch's global generator.
-        generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        self._batcher = Batcher(
-            self._runner,
-            generator,
-            max_batch_size=max_batch_size,
-            max_prefill_tokens=max_prefill_tokens,
-            max_model_len=self.max_model_len,
-            version=lambda: self._version,
+        seed = seed if seed is not None else secrets.randbits(63)
+        batching: dict[str, Any] = dict(
+            max_batch_size=max_batch_size, version=lambda: self._version
         )
+        batching |= dict(max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len)
+        cuda = self.device.type == "cuda"
+        paged = cuda and unsupported_reason(model) is None if paged is None else paged
+        self._paged: PagedRunner | None = None
+        self._batcher: Batcher
+        if paged:
+            options: dict[str, Any] = dict(kv_cache_gib=kv_cache_gib, kv_cache_frac=kv_cache_frac)
+            options |= dict(
+                page_size=page_size, compute_dtype=compute_dtype, cuda_graphs=cuda_graphs
+            )
+            options |= dict(compile=cuda if compile is None else compile, prefix_cache=prefix_cache)
+            self._paged, self._batcher = build_paged(
+                model, random.Random(seed), **options, **batching
+            )
+        else:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._batcher = Batcher(self._runner, generator, **batching)
         self._requests = self._batcher.requests  # open requests by rid
         self._paused = False
         self._settle = False  # the next step first waits for arrivals to stop (after resume)
@@ -197,9 +228,16 @@ class LocalEngine:
         }
 
     def prefill_stats(self) -> dict[str, int]:
-        """Prefill forwards so far, the requests and the tokens they prefilled (cumulative)."""
-        stats = self._batcher.prefills
-        return {"steps": stats.steps, "requests": stats.requests, "tokens": stats.tokens}
+        """Cumulative prefill steps, requests, tokens (cached + computed: prefix reuse)."""
+        st = self._batcher.prefills
+        return {"steps": st.steps, "requests": st.requests, "tokens": st.tokens} | {
+            "cached_tokens": st.cached_tokens, "computed_tokens": st.tokens - st.cached_tokens
+        }  # fmt: skip
+
+    @property
+    def paged(self) -> bool:
+        """Whether the engine runs the paged path."""
+        return self._paged is not None
 
     def num_output_tokens(self, rid: str) -> int | None:
         """Tokens generated so far by the open request ``rid`` (``None`` if not open)."""
@@ -288,7 +326,8 @@ class LocalEngine:
             try:
                 await self._drain()
                 async with self._lock:
-                    await asyncio.to_thread(load_state_dict_strict, self.model, state_dict)
+                    await asyncio.to_thread(self._load, state_dict)
+                    self._batcher.weights_changed()
                     if weight_version is not None:
                         self._version = int(weight_version)
             except ValueError as exc:
@@ -299,6 +338,11 @@ class LocalEngine:
                 self._draining = False
                 self._wake.set()
         logger.info("engine weights updated; weight_version=%d", self._version)
+
+    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:  # in place, device to device
+        load_state_dict_strict(self.model, state_dict)
+        if self._paged is not None:
+            self._paged.refresh_weights()
 
     async def health(self) -> bool:
         """Whether the engine can generate (open and its scheduler alive)."""
@@ -354,8 +398,11 @@ class LocalEngine:
     continue_generation = resume
 
     async def flush_cache(self) -> bool:
-        """No prefix cache to flush; like SGLang, refuse (False) while requests are open."""
-        return not self._requests
+        """Forget cached prefixes; like SGLang, refuse (False) while requests are open."""
+        if self._requests:
+            return False
+        self._batcher.weights_changed()  # the same effect: no cached prefix serves again
+        return True
 
     async def prompt_logprobs(
         self, input_ids: list[int], *, temperature: float = 1.0

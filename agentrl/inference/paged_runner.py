@@ -1,0 +1,318 @@
+"""The paged engine's model runner: the learner's layer math over a paged KV cache.
+
+- **Same numerics as the learner.** Each decoder layer repeats :mod:`agentrl.packed_body`'s
+  ops (its RMSNorm and rotary helpers, fused q/k/v and gate/up matmuls, float32 norms) with the
+  matmul inputs in ``compute_dtype`` exactly where the learner's ``torch.autocast`` casts them:
+  a float32 model with ``compute_dtype=bfloat16`` computes what the learner computes under bf16
+  autocast (residual stream in float32), a bf16 model what it computes in bf16. The head is the
+  learner's too (``compute_dtype`` inputs, float32 accumulation and logits). Matmul weights are
+  kept as fused ``compute_dtype`` copies, refreshed in place by :meth:`refresh_weights`.
+- **CUDA graphs.** A decode step (embedding, every layer, KV write, paged attention, head) is
+  captured once per batch-size bucket on first use and replayed: static input buffers, one
+  copy of the step's metadata to the device, one graph launch. Rows of a bucket past the batch
+  write to the scratch page and are ignored.
+- Prefill runs eagerly on the packed new tokens of every joining sequence (cached prefixes are
+  not recomputed) and keeps the logits of each sequence's last token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.inference.kv_cache import PagedKVCache
+from agentrl.inference.paged_attention import QueryBlocks, paged_attention, tile_rows
+from agentrl.logprobs import _mm32
+from agentrl.packed_body import _rms_norm, _rotate_half, unsupported_reason
+
+PREFILL_TOKENS_PER_BLOCK = 32
+
+
+def _pre(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ln: torch.Tensor,
+    w_qkv: torch.Tensor,
+    b_qkv: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    sizes: tuple[int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """packed_body's ``_pre_attention`` with a pre-fused, pre-cast q/k/v weight."""
+    hq, hkv, hd = sizes
+    h = _rms_norm(x, ln, eps)
+    qkv = F.linear(h.to(w_qkv.dtype), w_qkv, b_qkv)
+    q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+    n = x.shape[0]
+    q, k, v = q.reshape(n, hq, hd), k.reshape(n, hkv, hd), v.reshape(n, hkv, hd)
+    if q_norm is not None and k_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    return q.to(v.dtype), k.to(v.dtype), v
+
+
+def _post(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    w_o: torch.Tensor,
+    b_o: torch.Tensor | None,
+    ln: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """packed_body's ``_post_attention`` with a pre-fused, pre-cast gate/up weight."""
+    x = x + F.linear(attn.flatten(1), w_o, b_o)
+    h = _rms_norm(x, ln, eps)
+    gate, up = F.linear(h.to(w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down)
+
+
+class PagedRunner:
+    """Prefill and decode of a supported causal LM over a :class:`PagedKVCache`.
+
+    Args:
+        model: a model :func:`~agentrl.packed_body.unsupported_reason` accepts, on its device.
+        num_pages: pages of the KV cache (the scratch page included).
+        page_size: tokens per page.
+        max_batch_size: most sequences decoded together.
+        max_model_len: longest sequence (block-table width).
+        compute_dtype: dtype of the matmul inputs and the KV cache (default: the parameters').
+        cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
+        compile: ``torch.compile`` the per-layer functions (fused elementwise kernels).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_batch_size: int,
+        max_model_len: int,
+        compute_dtype: torch.dtype | None = None,
+        cuda_graphs: bool = True,
+        compile: bool = False,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"model: the paged engine does not support {reason}")
+        cfg: Any = model.config
+        self.model = model
+        self.base: Any = model.base_model
+        self.device = next(model.parameters()).device
+        self.eps = float(cfg.rms_norm_eps)
+        hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.sizes = (int(cfg.num_attention_heads), int(cfg.num_key_value_heads), hd)
+        self.group = self.sizes[0] // self.sizes[1]
+        self.dtype = compute_dtype or self.base.embed_tokens.weight.dtype
+        self.page_size = page_size
+        self.max_batch_size = max_batch_size
+        self.cache = PagedKVCache(
+            num_layers=len(self.base.layers),
+            num_kv_heads=self.sizes[1],
+            head_dim=hd,
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        # one row per sequence slot, plus a scratch row (all scratch page) for padded rows
+        max_pages = math.ceil(max_model_len / page_size)
+        self.block_table = torch.zeros(
+            max_batch_size + 1, max_pages, dtype=torch.int32, device=self.device
+        )
+        self.scratch_row = max_batch_size
+        self._weights: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+        self._head: torch.Tensor | None = None
+        self.refresh_weights()
+        with torch.no_grad():  # the model's own rotary tables, looked up by position
+            pos = torch.arange(max_model_len, device=self.device)[None]
+            probe = torch.zeros(1, dtype=self.base.embed_tokens.weight.dtype, device=self.device)
+            cos, sin = self.base.rotary_emb(probe, pos)
+        self.cos, self.sin = cos[0], sin[0]
+        self._pre: Any = _pre
+        self._post: Any = _post
+        if compile:
+            self._pre = torch.compile(_pre, dynamic=True)
+            self._post = torch.compile(_post, dynamic=True)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
+        self.buckets.append(max_batch_size)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._static: torch.Tensor | None = None  # (4, max_batch): ids, pos, slots, rows
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """(Re)build the fused ``compute_dtype`` weights from the model's, in place if built."""
+        fresh = []
+        for layer in self.base.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            projs = (att.q_proj, att.k_proj, att.v_proj)
+            bias = None
+            if any(p.bias is not None for p in projs):
+                bias = torch.cat(
+                    [
+                        p.weight.new_zeros(p.weight.shape[0]) if p.bias is None else p.bias
+                        for p in projs
+                    ]
+                )
+            q_norm, k_norm = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+            pre = (
+                layer.input_layernorm.weight,
+                torch.cat([p.weight for p in projs]).to(self.dtype),
+                None if bias is None else bias.to(self.dtype),
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                self.eps,
+                self.sizes,
+            )
+            post = (
+                att.o_proj.weight.to(self.dtype),
+                None if att.o_proj.bias is None else att.o_proj.bias.to(self.dtype),
+                layer.post_attention_layernorm.weight,
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(self.dtype),
+                mlp.down_proj.weight.to(self.dtype),
+                self.eps,
+            )
+            fresh.append((pre, post))
+        head = self.model.get_output_embeddings().weight.to(self.dtype)
+        if not self._weights:
+            self._weights, self._head = fresh, head
+            return
+        for old, new in zip(self._weights, fresh, strict=True):  # keep the graphs' pointers
+            for a, b in zip(old[0] + old[1], new[0] + new[1], strict=True):
+                if isinstance(a, torch.Tensor) and a.data_ptr() != b.data_ptr():
+                    a.copy_(b)
+        assert self._head is not None
+        if self._head.data_ptr() != head.data_ptr():
+            self._head.copy_(head)
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        blocks: QueryBlocks,
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``(N, H)`` of packed tokens; writes their KV at ``slots``."""
+        x = F.embedding(ids, self.base.embed_tokens.weight)
+        cos, sin = self.cos[pos], self.sin[pos]
+        scale = self.sizes[2] ** -0.5
+        for i, (pre, post) in enumerate(self._weights):
+            q, k, v = self._pre(x, cos, sin, *pre)
+            self.cache.k[i].index_copy_(0, slots, k)
+            self.cache.v[i].index_copy_(0, slots, v)
+            attn = paged_attention(
+                q,
+                self.cache.k[i],
+                self.cache.v[i],
+                self.block_table,
+                blocks,
+                pos,
+                page_size=self.page_size,
+                scale=scale,
+            )
+            x = self._post(x, attn, *post)
+        return _rms_norm(x, self.base.norm.weight, self.eps)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self._head is not None
+        logits = _mm32(hidden.to(self._head.dtype), self._head.t())  # (B, V) float32
+        bias = self.model.get_output_embeddings().bias
+        return logits if bias is None else logits + bias.float()
+
+    def prefill(
+        self, rows: list[int], starts: list[int], tokens: list[list[int]], pages: list[list[int]]
+    ) -> torch.Tensor:
+        """Next-token logits ``(len(rows), V)`` after feeding each ``tokens[i][starts[i]:]``.
+
+        Args:
+            rows: each sequence's block-table row (already filled with its pages).
+            starts: tokens of each sequence already in the cache (a reused prefix).
+            tokens: each sequence's whole token list.
+            pages: each sequence's pages.
+        """
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qb_row, qb_tok, qb_n, last = [], [], [], []
+        per = PREFILL_TOKENS_PER_BLOCK
+        for row, start, toks, pgs in zip(rows, starts, tokens, pages, strict=True):
+            first = len(ids)
+            ids += toks[start:]
+            span = range(start, len(toks))
+            pos += span
+            slots += [pgs[p // self.page_size] * self.page_size + p % self.page_size for p in span]
+            for b in range(first, len(ids), per):
+                qb_row.append(row)
+                qb_tok.append(b)
+                qb_n.append(min(per, len(ids) - b))
+            last.append(len(ids) - 1)
+        meta = torch.tensor([ids, pos, slots], dtype=torch.int64).to(self.device)
+        qbs = torch.tensor([qb_row, qb_tok, qb_n], dtype=torch.int64).to(self.device)
+        blocks = QueryBlocks(qbs[0], qbs[1], qbs[2], tile_rows(self.group, per))
+        hidden = self._forward(meta[0], meta[1], meta[2], blocks)
+        return self._logits(hidden[torch.tensor(last, device=self.device)])
+
+    def _decode_body(self, n: int) -> torch.Tensor:
+        assert self._static is not None
+        ids, pos, slots, rows = self._static[:, :n]
+        arange = torch.arange(n, device=self.device)
+        blocks = QueryBlocks(rows, arange, torch.ones_like(arange), tile_rows(self.group, 1))
+        return self._logits(self._forward(ids, pos, slots, blocks))
+
+    def decode(
+        self, ids: list[int], pos: list[int], slots: list[int], rows: list[int]
+    ) -> torch.Tensor:
+        """Next-token logits ``(B, V)`` after feeding one token per sequence."""
+        n = len(ids)
+        if self._static is None:
+            self._static = torch.zeros(
+                4, self.max_batch_size, dtype=torch.int64, device=self.device
+            )
+        bucket = next(b for b in self.buckets if b >= n) if self.cuda_graphs else n
+        pad = bucket - n
+        host = torch.tensor(
+            [ids + [0] * pad, pos + [0] * pad, slots + [0] * pad, rows + [self.scratch_row] * pad],
+            dtype=torch.int64,
+        )
+        self._static[:, :bucket].copy_(host, non_blocking=False)
+        if not self.cuda_graphs:
+            return self._decode_body(n)
+        if bucket not in self._graphs:
+            self._capture(bucket)
+        graph, out = self._graphs[bucket]
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, bucket: int) -> None:
+        """Capture the decode step of ``bucket`` rows (after warm-up runs on a side stream)."""
+        assert self._static is not None
+        saved = self._static[:, :bucket].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            # warm-up with every row on the scratch page: no real sequence's cache is written
+            self._static[:, :bucket] = 0
+            self._static[3, :bucket] = self.scratch_row
+            for _ in range(2):
+                self._decode_body(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = self._decode_body(bucket)
+        self._graphs[bucket] = (graph, out)
+        self._static[:, :bucket] = saved
