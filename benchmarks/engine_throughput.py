@@ -153,8 +153,8 @@ def learner_mismatch(
     The learner is ``LogprobModel`` with the packed body under bf16 autocast and a bf16 head,
     on the same float32 weights, over each episode's last input plus its last output.
     """
-    from agentrl.logprobs import LogprobModel
-    from agentrl.packed_body import PackedBody
+    from agentrl.kernels.packed_body import PackedBody
+    from agentrl.learner.logprobs import LogprobModel
 
     learner = LogprobModel(
         model,

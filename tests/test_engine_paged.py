@@ -204,8 +204,8 @@ def test_logprobs_match_the_learner_in_bf16():
 
 
 async def _logprobs_match_the_learner_in_bf16() -> None:
-    from agentrl.logprobs import LogprobModel
-    from agentrl.packed_body import PackedBody
+    from agentrl.kernels.packed_body import PackedBody
+    from agentrl.learner.logprobs import LogprobModel
 
     model = _qwen3(4)
     eng = LocalEngine(

@@ -56,7 +56,7 @@ from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.paged_batcher import build_paged
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.sglang_api import warn_if_truncating
-from agentrl.packed_body import unsupported_reason
+from agentrl.kernels.packed_body import unsupported_reason
 
 logger = logging.getLogger(__name__)
 

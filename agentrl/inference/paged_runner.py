@@ -1,6 +1,6 @@
 """The paged engine's model runner: the learner's layer math over a paged KV cache.
 
-- **Same numerics as the learner.** Each decoder layer repeats :mod:`agentrl.packed_body`'s
+- **Same numerics as the learner.** Each decoder layer repeats :mod:`agentrl.kernels.packed_body`'s
   ops (its RMSNorm and rotary helpers, fused q/k/v and gate/up matmuls, float32 norms) with the
   matmul inputs in ``compute_dtype`` exactly where the learner's ``torch.autocast`` casts them:
   a float32 model with ``compute_dtype=bfloat16`` computes what the learner computes under bf16
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from agentrl.inference.kv_cache import PagedKVCache
 from agentrl.inference.paged_attention import QueryBlocks, paged_attention, tile_rows
-from agentrl.logprobs import _mm32
-from agentrl.packed_body import _rms_norm, _rotate_half, unsupported_reason
+from agentrl.kernels.matmul import mm32
+from agentrl.kernels.packed_body import _rms_norm, _rotate_half, unsupported_reason
 
 PREFILL_TOKENS_PER_BLOCK = 32
 
@@ -79,7 +79,8 @@ class PagedRunner:
     """Prefill and decode of a supported causal LM over a :class:`PagedKVCache`.
 
     Args:
-        model: a model :func:`~agentrl.packed_body.unsupported_reason` accepts, on its device.
+        model: a model that :func:`~agentrl.kernels.packed_body.unsupported_reason` accepts,
+            on its device.
         num_pages: pages of the KV cache (the scratch page included).
         page_size: tokens per page.
         max_batch_size: most sequences decoded together.
@@ -229,7 +230,7 @@ class PagedRunner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        logits = _mm32(hidden.to(self._head.dtype), self._head.t())  # (B, V) float32
+        logits = mm32(hidden.to(self._head.dtype), self._head.t())  # (B, V) float32
         bias = self.model.get_output_embeddings().bias
         return logits if bias is None else logits + bias.float()
 

@@ -30,44 +30,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from agentrl.kernels import head as head_kernels
+from agentrl.kernels.matmul import addmm32_, mm32
 from agentrl.kernels.packed_body import PackedBody
 from agentrl.learner.packing import PackedBatch
 
-_MM_OUT_DTYPE: bool | None = None  # does this torch/device have mm(..., out_dtype=float32)?
-
-
-def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as float32: inputs in their own dtype, float32 accumulation and output.
-
-    Low-precision inputs go through ``torch.mm(..., out_dtype=torch.float32)`` where the backend
-    has it (CUDA), so the logits are not rounded to bf16 on the way out; elsewhere the inputs are
-    upcast first (same result, float32 speed).
-    """
-    global _MM_OUT_DTYPE
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return a @ b
-    if _MM_OUT_DTYPE is not False:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _MM_OUT_DTYPE = True
-            return out
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE = False
-    return a.float() @ b.float()
-
-
-def _addmm32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into float32 ``acc``; low-precision ``a``, ``b`` accumulate in float32."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif _MM_OUT_DTYPE:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += _mm32(a, b)
-
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = _mm32(h, weight.t())  # (c, V) float32
+    out = mm32(h, weight.t())  # (c, V) float32
     if bias is not None:
         out += bias
     return out
@@ -182,9 +151,9 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_b += grad.float().sum(dim=0)
             grad_lo = grad.to(low)
             if grad_h is not None:
-                grad_h[s:e] = _mm32(grad_lo, w_lo)
+                grad_h[s:e] = mm32(grad_lo, w_lo)
             if grad_w is not None:
-                _addmm32_(grad_w, grad_lo.t(), h_lo[s:e])
+                addmm32_(grad_w, grad_lo.t(), h_lo[s:e])
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
