@@ -31,6 +31,8 @@ class ModelConfig(_Section):
     """Overrides of the tiny model's config (``num_hidden_layers``, ``hidden_size``, ...)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights' dtype; keep float32 on CPU (GSPO's clip range is below bf16 precision)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables for the chat template, e.g. ``{enable_thinking: false}`` for Qwen3."""
 
 
 class InferenceConfig(_Section):

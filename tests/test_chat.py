@@ -114,3 +114,22 @@ def test_template_without_extension_is_rejected() -> None:
     tok = build_tiny_tokenizer("{{ 'fixed' }}")
     with pytest.raises(ConfigError, match="chat_template"):
         ChatTokenizer(tok)
+
+
+def test_reply_with_special_think_tokens_is_split_on_the_token() -> None:
+    # The tiny tokenizer marks <think> and </think> special: decoding drops them, so the split
+    # happens on the </think> id; the answer goes to the env, the reasoning to the turn's info.
+    tok = build_tiny_tokenizer(THINKING_CHAT_TEMPLATE)
+    chat = ChatTokenizer(tok)
+    ids = tok.encode("<think>two and two</think>4", add_special_tokens=False)
+    assert chat.decode_reply(ids) == ("4", "two and two")
+    assert chat.decode_reply(tok.encode("4", add_special_tokens=False)) == ("4", None)
+
+
+def test_template_that_drops_the_reply_names_the_rule() -> None:
+    dropping = (
+        "{%- for m in messages %}{%- if m['role'] != 'assistant' %}{{ m['content'] }}"
+        "{%- endif %}{%- endfor %}"
+    )
+    with pytest.raises(ConfigError, match="content must appear verbatim"):
+        ChatTokenizer(build_tiny_tokenizer(dropping))

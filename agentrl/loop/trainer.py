@@ -128,7 +128,9 @@ class Trainer:
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
         self.model, self.tokenizer = load_policy(config)
-        self.chat = ChatTokenizer(self.tokenizer)
+        self.chat = ChatTokenizer(
+            self.tokenizer, template_kwargs=config.model.chat_template_kwargs
+        )
         learner_fields: dict[str, Any] = {
             "temperature": config.rollout.temperature or 1.0,
             "seed": config.seed,

@@ -1,16 +1,21 @@
 r"""Append-only tokenisation of a conversation with a chat template.
 
 Re-tokenising a whole conversation after every turn is wrong for RL: BPE can merge across turn
-borders, a sampled token sequence need not be the canonical encoding of its own text, and some
-templates rewrite past turns (thinking models strip earlier ``<think>`` blocks). The ids a
-trajectory trains on must be exactly those the engine was conditioned on and sampled, so the
-sequence only grows:
+borders, a sampled token sequence need not be the canonical encoding of its own text, and real
+templates rewrite past turns (Qwen3 and DeepSeek-R1 strip earlier ``<think>`` blocks, Llama 3
+trims contents). The ids a trajectory trains on must be exactly those the engine was
+conditioned on and sampled, so the sequence only grows:
 
 * the first prompt is the template rendered with the generation prompt;
-* after each assistant turn, the env's observation is appended as the template's *delta*: the
-  text that closes the assistant turn (what follows the sampled stop token, e.g. ``"\n"``),
-  the new messages, and the next generation prompt. The delta is found by rendering a fixed
-  dummy conversation with and without the new messages, so past turns are never re-rendered.
+* after each assistant turn, the env's observation is appended as the template's own
+  continuation: the text that closes the assistant turn (what follows the sampled stop token,
+  e.g. ``"\n"``), the new messages, and the next generation prompt. It is read off a canonical
+  dummy conversation rendered with the new messages (:mod:`agentrl.rollout.chat_templates`), so the
+  sampled history is never re-rendered; a template whose continuation depends on earlier turns
+  is refused with a :class:`~agentrl.errors.ConfigError` that names the rule.
+
+Thinking models' replies are split with :meth:`ChatTokenizer.decode_reply`: the env gets the
+answer, the reasoning goes to the turn's info, and every sampled token stays in the trajectory.
 """
 
 from __future__ import annotations
@@ -19,9 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrl.errors import ConfigError
+from agentrl.rollout.chat_templates import THINK_CLOSE, TemplateProbe, split_reasoning
 from agentrl.types import Message
-
-_DUMMY = [{"role": "user", "content": "\x00u"}, {"role": "assistant", "content": "\x00a"}]
 
 
 class ChatTokenizer:
@@ -30,7 +34,11 @@ class ChatTokenizer:
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template (or pass ``chat_template``).
         chat_template: overrides the tokenizer's template.
-        template_kwargs: extra variables for the template (e.g. ``enable_thinking``).
+        template_kwargs: extra variables for the template (e.g. ``enable_thinking``, ``tools``).
+
+    Raises:
+        ConfigError: no template, or one that cannot be extended append-only (the message names
+            the rule it breaks).
     """
 
     def __init__(
@@ -45,31 +53,17 @@ class ChatTokenizer:
         if not self.chat_template:
             raise ConfigError("chat_template: the tokenizer has none; pass chat_template=")
         self.template_kwargs = template_kwargs or {}
-        self._closing = self._find_closing()
-        self._base = self._render(_DUMMY, add_generation_prompt=False)
+        self._probe = TemplateProbe(tokenizer, self.chat_template, self.template_kwargs)
+        self._closing = self._probe.closing
+        self._think_close_id = _single_token_id(tokenizer, THINK_CLOSE)
+
+    @property
+    def opens_thinking(self) -> bool:
+        """Whether the generation prompt opens a ``<think>`` block (DeepSeek-R1 style)."""
+        return self._probe.opens_thinking
 
     def _render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool) -> str:
-        text = self.tokenizer.apply_chat_template(
-            list(messages),
-            chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **self.template_kwargs,
-        )
-        assert isinstance(text, str)
-        return text
-
-    def _find_closing(self) -> str:
-        r"""The template text after an assistant message's content (e.g. ``<|im_end|>\n``)."""
-        prompt = self._render(_DUMMY[:1], add_generation_prompt=True)
-        full = self._render(_DUMMY, add_generation_prompt=False)
-        content = _DUMMY[1]["content"]
-        if not full.startswith(prompt + content):
-            raise ConfigError(
-                "chat_template: rendering an assistant turn does not extend the generation prompt"
-                " with the message content; append-only tokenisation needs a template that does"
-            )
-        return full[len(prompt) + len(content) :]
+        return self._probe.render(messages, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of template text (no special tokens added: the template has them)."""
@@ -91,6 +85,22 @@ class ChatTokenizer:
             return self._closing[len(last_token_text) :]
         return self._closing
 
+    def continuation_text(
+        self, observation: Sequence[Message], *, last_token_text: str | None
+    ) -> str:
+        """The template's text after a sampled assistant turn: closing, observation, prompt.
+
+        Raises:
+            ConfigError: the template renders these roles differently depending on the
+                conversation before (checked once per tuple of roles).
+        """
+        dicts = [m.model_dump() for m in observation]
+        self._probe.check_roles(tuple(m["role"] for m in dicts))
+        text = self._probe.continuation(dicts)
+        if last_token_text and text.startswith(last_token_text):
+            text = text[len(last_token_text) :]
+        return text
+
     def observation_ids(
         self, observation: Sequence[Message], *, last_token_text: str | None
     ) -> list[int]:
@@ -98,12 +108,30 @@ class ChatTokenizer:
 
         ``observation`` may be empty (then only the closing and the generation prompt follow).
         """
-        dicts = [m.model_dump() for m in observation]
-        extended = self._render(_DUMMY + dicts, add_generation_prompt=True)
-        if not extended.startswith(self._base):
-            raise ConfigError(
-                "chat_template: appending messages changed earlier text of the conversation;"
-                " this template cannot be tokenised append-only"
-            )
-        delta = extended[len(self._base) :]
-        return self.encode(self.closing_text(last_token_text) + delta)
+        return self.encode(self.continuation_text(observation, last_token_text=last_token_text))
+
+    def decode_reply(self, ids: Sequence[int]) -> tuple[str, str | None]:
+        """``(answer, reasoning)`` of a sampled reply (stop token excluded).
+
+        ``reasoning`` is the ``<think>`` block's text (``None`` when the reply has none); the
+        answer is what follows ``</think>``, decoded without special tokens. Split on the
+        ``</think>`` token where it is one, so that tokenizers that mark it special agree.
+        """
+        ids = list(ids)
+        close = self._think_close_id
+        if close is not None and close in ids:
+            cut = len(ids) - ids[::-1].index(close)
+            before = self.tokenizer.decode(ids[: cut - 1], skip_special_tokens=True)
+            answer = self.tokenizer.decode(ids[cut:], skip_special_tokens=True)
+            return split_reasoning(f"{before}{THINK_CLOSE}{answer}", opened=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return split_reasoning(text, opened=self.opens_thinking)
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` if the tokenizer has it as one token, else ``None``."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    except Exception:
+        return None
+    return int(ids[0]) if len(ids) == 1 else None

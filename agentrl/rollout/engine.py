@@ -217,14 +217,15 @@ class RolloutEngine:
             self._token_text[token_id] = text
         return text
 
-    def _decode_action(self, out: GenerateOutput) -> tuple[str, str | None]:
-        """The assistant's text for the env, and the text of the stop token if it ended on one."""
+    def _decode_action(self, out: GenerateOutput) -> tuple[str, str | None, str | None]:
+        """The answer for the env, the reasoning split off it, and the stop token's text."""
         ids = out.output_ids
         stop_text = None
         if out.finish_reason == "stop" and ids:
             stop_text = self._text_of(ids[-1])
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True), stop_text
+        answer, reasoning = self.chat.decode_reply(ids)
+        return answer, reasoning, stop_text
 
     async def run_episode(
         self,
@@ -310,8 +311,11 @@ class RolloutEngine:
             out = await self._generate_turn(ep, params, f"{episode_id}/t{turn}", episode_id, rid)
             ep.timing.generate_s += time.perf_counter() - t
             span = ep.append_output(out)
-            action, stop_text = self._decode_action(out)
-            ep.messages.append(Message(role="assistant", content=action))
+            action, reasoning, stop_text = self._decode_action(out)
+            # The env and its reward see the answer; the reasoning stays in the transcript and
+            # the turn's info (its tokens are trained on like every sampled token).
+            said = action if reasoning is None else f"<think>\n{reasoning}\n</think>\n\n{action}"
+            ep.messages.append(Message(role="assistant", content=said))
             if out.finish_reason == "abort":
                 raise EnvError(f"generation aborted by the server ({out.rid})")
             t = time.perf_counter()
@@ -320,6 +324,8 @@ class RolloutEngine:
             if not isinstance(result, StepResult):
                 raise EnvError(f"step() returned {type(result).__name__}, expected StepResult")
             span.reward, span.info = result.reward, dict(result.info)
+            if reasoning is not None:
+                span.info["reasoning"] = reasoning
             ep.messages += result.observation
             if result.terminated or result.truncated:
                 ep.reward = result.reward
