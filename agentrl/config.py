@@ -31,6 +31,10 @@ class ModelConfig(_Section):
     """Overrides of the tiny model's config (``num_hidden_layers``, ``hidden_size``, ...)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights' dtype; keep float32 on CPU (GSPO's clip range is below bf16 precision)."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the policy, learner, reference model, cold start and embedded engine run: ``auto``
+    (the GPU when there is one; under ``torchrun`` the rank's ``LOCAL_RANK`` card), ``cpu``,
+    ``cuda`` or ``cuda:N``."""
 
 
 class InferenceConfig(_Section):
@@ -42,6 +46,11 @@ class InferenceConfig(_Section):
     """Requests decoded together by the embedded engine."""
     timeout_s: float = Field(300.0, gt=0)
     """Per-request HTTP timeout."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """Embedded engine: GiB its KV cache may take on the card it shares with the learner."""
+    kv_cache_frac: float | None = Field(None, gt=0, le=1)
+    """Embedded engine: the KV-cache budget as a fraction of the card's free memory once the
+    learner is built (``kv_cache_gib`` wins when both are set; neither: no budget)."""
 
 
 class EnvConfig(_Section):
