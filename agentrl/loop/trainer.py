@@ -115,6 +115,8 @@ class Trainer:
         learner_fields: dict[str, Any] = {
             "temperature": config.rollout.temperature or 1.0,
             "seed": config.seed,
+            # the packed body's FlashAttention has no float32: a float32 learner on a card
+            "body": "auto" if config.learner.get("dtype") == "bfloat16" else "transformers",
         }
         learner_fields.update(config.learner)
         self.learner = Learner(self.model, LearnerConfig(**learner_fields))
