@@ -33,6 +33,10 @@ class ModelConfig(_Section):
     """Weights' dtype; keep float32 on CPU (GSPO's clip range is below bf16 precision)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Variables for the chat template, e.g. ``{enable_thinking: false}`` for Qwen3."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where the policy, learner, reference model, cold start and embedded engine run: ``auto``
+    (the GPU when there is one; under ``torchrun`` the rank's ``LOCAL_RANK`` card), ``cpu``,
+    ``cuda`` or ``cuda:N``."""
 
 
 class InferenceConfig(_Section):
@@ -44,6 +48,11 @@ class InferenceConfig(_Section):
     """Requests decoded together by the embedded engine."""
     timeout_s: float = Field(300.0, gt=0)
     """Per-request HTTP timeout."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """Embedded engine: GiB its KV cache may take on the card it shares with the learner."""
+    kv_cache_frac: float | None = Field(None, gt=0, le=1)
+    """Embedded engine: the KV-cache budget as a fraction of the card's free memory once the
+    learner is built (``kv_cache_gib`` wins when both are set; neither: no budget)."""
 
 
 class EnvConfig(_Section):

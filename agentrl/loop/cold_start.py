@@ -75,11 +75,14 @@ async def sft(
     if not examples:
         raise ValueError("sft: expected at least one demonstration, got none")
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    fused = next(model.parameters()).device.type == "cuda" or None  # one kernel per step
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=fused)
     model.train()
     loss_value, done = float("nan"), 0
+    device = next(model.parameters()).device  # the policy's card (``model.device``)
     for step in range(steps):
-        ids, mask, attn = _batch(rng.sample(list(examples), min(batch_size, len(examples))), pad_id)
+        batch = _batch(rng.sample(list(examples), min(batch_size, len(examples))), pad_id)
+        ids, mask, attn = (t.to(device, non_blocking=True) for t in batch)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         target_mask = mask[:, 1:].float()
         nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")

@@ -188,6 +188,7 @@ class Pipeline:
         self._started_at: dict[int, int] = {}  # in-flight group -> version served at its start
         self._served = trainer.step  # the version the engine serves (after the first sync)
         self._arrived = asyncio.Event()
+        self._done_tokens = 0  # response tokens of every group finished so far
         self._failure: BaseException | None = None
         self._closing = False
 
@@ -243,7 +244,8 @@ class Pipeline:
         except Exception as e:  # episodes record their own errors: this is a bug, stop
             self._failure = e
         else:
-            self._buffer.append(_ready(index, group, self._started_at.pop(index)))
+            self._buffer.append(ready := _ready(index, group, self._started_at.pop(index)))
+            self._done_tokens += ready.tokens
             del self._inflight[index]
             self._fill()
         self._arrived.set()
@@ -301,7 +303,10 @@ class Pipeline:
         metrics["rollout/response_tokens"] = float(sum(r.tokens for r in batch))
         metrics["pipeline/inflight_groups"] = float(inflight)  # when the step began to wait
         metrics["pipeline/buffered_groups"] = float(len(self._buffer))  # left after taking
+        done_before = self._done_tokens
         metrics = await t.update(groups, metrics, overlapped=True, on_synced=self._synced)
+        # generation went on during the update: the response tokens of groups that finished
+        metrics["pipeline/overlap_tokens"] = float(self._done_tokens - done_before)
         metrics["time/wait_s"] = t_wait
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics

@@ -11,7 +11,6 @@ model, optimiser, RNG states, step and data cursor, so ``resume`` continues exac
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import random
@@ -32,6 +31,7 @@ from agentrl.learner import Learner, LearnerConfig, samples_from_trajectories
 from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop.cold_start import build_demonstrations, sft
 from agentrl.loop.pipeline import Pipeline
+from agentrl.loop.placement import load_policy, make_local_engine, on_side_stream, push_weights
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task, Trajectory
@@ -39,23 +39,6 @@ from agentrl.types import Group, Task, Trajectory
 log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003  # eval episodes never share seeds with training episodes
-
-
-def load_policy(config: TrainConfig) -> tuple[Any, Any]:
-    """The policy model and tokenizer named by ``config.model`` (``tiny`` builds locally)."""
-    model: Any
-    tok: Any
-    if config.model.path == "tiny":
-        from agentrl.tiny import build_tiny
-
-        model, tok = build_tiny(seed=config.seed, **config.model.tiny)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(config.model.path)
-        model = AutoModelForCausalLM.from_pretrained(config.model.path)
-    dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
-    return model.to(dtype), tok
 
 
 def load_tasks(config: TrainConfig, split: str) -> list[Task]:
@@ -134,12 +117,15 @@ class Trainer:
         learner_fields: dict[str, Any] = {
             "temperature": config.rollout.temperature or 1.0,
             "seed": config.seed,
+            # the packed body's FlashAttention has no float32: a float32 learner on a card
+            "body": "auto" if config.learner.get("dtype") == "bfloat16" else "transformers",
         }
         learner_fields.update(config.learner)
         self.learner = Learner(self.model, LearnerConfig(**learner_fields))
         self.train_tasks = load_tasks(config, "train")
         self.eval_tasks = load_tasks(config, "test")
         self.client: InferenceClient = self._make_client()
+        self.last_push: dict[str, float] = {}
         self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
         eval_cfg = config.rollout.model_copy(
             update={
@@ -171,27 +157,18 @@ class Trainer:
             return SGLangClient(
                 self.config.inference.endpoints, timeout_s=self.config.inference.timeout_s
             )
-        from agentrl.inference.engine import LocalEngine
-
-        return LocalEngine(
-            copy.deepcopy(self.model),
-            self.tokenizer,
-            max_batch_size=self.config.inference.max_batch_size,
-        )
+        return make_local_engine(self.model, self.tokenizer, self.config)  # on the learner's card
 
     async def sync_weights(self) -> float:
-        """Push the learner's weights to the engine as version ``step``; returns seconds."""
-        t = time.perf_counter()
-        if self.config.inference.endpoints:
-            path = self.run_dir / "weights"
-            self.learner.save_pretrained(path, tokenizer=self.tokenizer)
-            await self.client.update_weights_from_disk(str(path.resolve()), self.step)
-        else:
-            engine: Any = self.client
-            await engine.update_weights_from_state_dict(
-                self.learner.state_dict_for_inference(), self.step
-            )
-        return time.perf_counter() - t
+        """Push the learner's weights to the engine as version ``step``; returns seconds.
+
+        The push's timings are kept in ``last_push`` (see :func:`placement.push_weights`).
+        """
+        remote = self.run_dir / "weights" if self.config.inference.endpoints else None
+        self.last_push = await push_weights(
+            self.learner, self.client, self.step, remote, self.tokenizer
+        )
+        return self.last_push["time/sync_s"]
 
     def next_tasks(self) -> list[Task]:
         """The next ``tasks_per_step`` tasks of a per-epoch seeded shuffle."""
@@ -292,7 +269,8 @@ class Trainer:
 
         Returns:
             ``metrics`` with the learner's figures, ``rollout/zero_signal_groups``,
-            ``time/train_s`` and ``time/sync_s``.
+            ``time/train_s``, ``time/sync_s`` (the weight push) and, with endpoints,
+            ``time/weight_write_s`` (writing its safetensors).
         """
         metrics = {} if metrics is None else metrics
         if self.config.advantages.shuffle_rewards:
@@ -303,7 +281,10 @@ class Trainer:
         if trajs:
             samples = samples_from_trajectories(trajs, advs)
             if overlapped:
-                metrics.update(await asyncio.to_thread(self.learner.step, samples))
+                # on a stream of its own, so the engine's decoding overlaps it on the card
+                step = self.learner.step
+                dev = self.learner.device
+                metrics.update(await asyncio.to_thread(on_side_stream, dev, step, samples))
             else:
                 metrics.update(self.learner.step(samples))
         metrics["time/train_s"] = time.perf_counter() - t1
@@ -311,15 +292,16 @@ class Trainer:
         if overlapped:
             try:
                 await self.rollout.interrupt()
-                metrics["time/sync_s"] = await self.sync_weights()
+                await self.sync_weights()
                 if on_synced is not None:
                     on_synced()
             finally:
                 await self.rollout.release()
         else:
-            metrics["time/sync_s"] = await self.sync_weights()
+            await self.sync_weights()
             if on_synced is not None:
                 on_synced()
+        metrics.update(self.last_push)
         self._write_trajectories(trajs, advs)
         return metrics
 

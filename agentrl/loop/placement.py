@@ -1,0 +1,214 @@
+"""Where the parts of a run live: the policy, learner, cold start and embedded engine's card.
+
+``model.device`` decides for everything that holds weights. ``auto`` is the GPU when there is
+one (under ``torchrun`` the rank's ``LOCAL_RANK`` card), else the CPU, so a CPU host runs as it
+always did. With no endpoint the embedded engine shares the learner's card: weight pushes copy
+device to device in process, and ``inference.kv_cache_gib`` / ``kv_cache_frac`` bound the memory
+its KV cache may take so that both fit. In the overlapped loop the update runs in a worker thread
+on its own CUDA stream, so its kernels and the engine's (on the default stream) overlap.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from agentrl.config import TrainConfig
+from agentrl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+"""Values ``model.device`` accepts."""
+
+
+def resolve_device(
+    setting: str = "auto",
+    *,
+    cuda_available: bool | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> torch.device:
+    """The device a ``model.device`` setting names on this host.
+
+    Args:
+        setting: ``auto`` (the GPU when there is one, else the CPU), ``cpu``, ``cuda`` (this
+            rank's card) or ``cuda:N``.
+        cuda_available: whether CUDA can be used (default: ``torch.cuda.is_available()``).
+        environ: the environment to read ``LOCAL_RANK`` from (default: ``os.environ``).
+
+    Returns:
+        ``cpu`` or ``cuda:N``; under ``torchrun`` ``auto`` and ``cuda`` give ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ConfigError: an unknown setting, or a CUDA device on a host without CUDA.
+    """
+    if not DEVICE_PATTERN.match(setting):
+        raise ConfigError(f"model.device: expected auto, cpu, cuda or cuda:N, got {setting!r}")
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    env = os.environ if environ is None else environ
+    if setting == "cpu" or (setting == "auto" and not available):
+        return torch.device("cpu")
+    if not available:
+        raise ConfigError(f"model.device: {setting!r} needs CUDA, and this host has none")
+    if setting.startswith("cuda:"):
+        return torch.device(setting)
+    return torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+
+
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes in every layer (keys and values)."""
+    cfg = model_config.get_text_config()
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * int(cfg.num_hidden_layers) * heads * head_dim * element
+
+
+def kv_budget_bytes(
+    kv_cache_gib: float | None,
+    kv_cache_frac: float | None,
+    device: torch.device,
+    *,
+    free_bytes: int | None = None,
+) -> int | None:
+    """The engine's KV-cache budget in bytes (``None``: no budget was set).
+
+    ``kv_cache_frac`` is a fraction of the card's free memory now, after the learner is built
+    (``free_bytes`` overrides the measurement). On the CPU only ``kv_cache_gib`` applies.
+    """
+    if kv_cache_gib is not None:
+        return int(kv_cache_gib * 2**30)
+    if kv_cache_frac is None:
+        return None
+    if free_bytes is None:
+        if device.type != "cuda":
+            return None
+        free_bytes = int(torch.cuda.mem_get_info(device)[0])
+    return int(kv_cache_frac * free_bytes)
+
+
+def engine_batch_size(
+    max_batch_size: int, max_total_tokens: int, per_token: int, budget: int | None
+) -> int:
+    """The most rows whose full-length KV cache fits ``budget`` (at most ``max_batch_size``).
+
+    Raises:
+        ConfigError: the budget does not hold even one row of ``max_total_tokens``.
+    """
+    if budget is None:
+        return max_batch_size
+    rows = budget // (per_token * max_total_tokens)
+    if rows < 1:
+        need = per_token * max_total_tokens / 2**30
+        raise ConfigError(
+            f"inference.kv_cache_gib: one row of {max_total_tokens} tokens needs {need:.3f} GiB "
+            f"of KV cache; the budget is {budget / 2**30:.3f} GiB"
+        )
+    return min(max_batch_size, int(rows))
+
+
+def load_policy(config: TrainConfig) -> tuple[Any, Any]:
+    """The policy model and tokenizer named by ``config.model``, on ``model.device``."""
+    model: Any
+    tok: Any
+    if config.model.path == "tiny":
+        from agentrl.tiny import build_tiny
+
+        model, tok = build_tiny(seed=config.seed, **config.model.tiny)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(config.model.path)
+        model = AutoModelForCausalLM.from_pretrained(config.model.path)
+    dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+    return model.to(device=resolve_device(config.model.device), dtype=dtype), tok
+
+
+def make_local_engine(model: Any, tokenizer: Any, config: TrainConfig) -> Any:
+    """The embedded engine on the policy's card, with its own copy of the weights.
+
+    The KV budget goes to the engine when its constructor takes one; otherwise it caps the
+    rows decoded together, so that their full-length caches fit the budget.
+    """
+    from agentrl.inference.engine import LocalEngine
+
+    inf = config.inference
+    params = inspect.signature(LocalEngine.__init__).parameters
+    kwargs: dict[str, Any] = {"max_batch_size": inf.max_batch_size}
+    device = next(model.parameters()).device
+    dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+    if "kv_cache_gib" in params and "kv_cache_frac" in params:
+        frac = None if inf.kv_cache_gib is not None else inf.kv_cache_frac  # GiB wins
+        kwargs.update(kv_cache_gib=inf.kv_cache_gib, kv_cache_frac=frac)
+    else:
+        budget = kv_budget_bytes(inf.kv_cache_gib, inf.kv_cache_frac, device)
+        per_token = kv_bytes_per_token(model.config, dtype)
+        rows = engine_batch_size(
+            inf.max_batch_size, config.rollout.max_total_tokens, per_token, budget
+        )
+        if rows < inf.max_batch_size:
+            log.info("engine: %d rows fit the KV budget (max_batch_size %d)", rows, rows)
+        kwargs["max_batch_size"] = rows
+    # a copy made on the card (no host round trip), in the policy's dtype (the learner keeps
+    # float32 master weights)
+    return LocalEngine(copy.deepcopy(model), tokenizer, device=device, dtype=dtype, **kwargs)
+
+
+async def push_weights(
+    learner: Any, client: Any, version: int, remote_dir: Path | None, tokenizer: Any
+) -> dict[str, float]:
+    """Push the learner's weights to the engine as ``version``; returns the push's timings.
+
+    In process (``remote_dir`` is ``None``) the state dict stays on the learner's card and the
+    engine copies it device to device. Remote, the learner writes a safetensors checkpoint in
+    the export dtype (bf16 for a bf16 policy) that ``/update_weights_from_disk`` loads.
+
+    Returns:
+        ``time/sync_s`` (the whole push) and, remote, ``time/weight_write_s`` (the write).
+    """
+    t = time.perf_counter()
+    out: dict[str, float] = {}
+    if remote_dir is not None:
+        learner.save_pretrained(remote_dir, tokenizer=tokenizer)
+        out["time/weight_write_s"] = time.perf_counter() - t
+        await client.update_weights_from_disk(str(remote_dir.resolve()), version)
+    else:
+        await client.update_weights_from_state_dict(learner.state_dict_for_inference(), version)
+        if learner.device.type == "cuda":
+            torch.cuda.synchronize(learner.device)  # the copy is done when the time is taken
+    out["time/sync_s"] = time.perf_counter() - t
+    return out
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def on_side_stream(device: torch.device, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` (in a worker thread) on a CUDA stream of its own on ``device``.
+
+    The engine decodes on the default stream meanwhile; a non-default stream lets the two
+    threads' kernels run at the same time instead of one after the other. Waits for the
+    stream before returning, so the caller may read the results on any stream. Off CUDA it
+    just calls ``fn``.
+    """
+    if device.type != "cuda":
+        return fn(*args)
+    stream = _streams.get(device)
+    if stream is None:  # one per card: updates never run two at a time
+        stream = _streams[device] = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.default_stream(device))  # inputs queued before the call
+    with torch.cuda.stream(stream):
+        out = fn(*args)
+    stream.synchronize()
+    return out

@@ -1,0 +1,287 @@
+"""The whole RL loop on one GPU, and TRL 1.16's ``GRPOTrainer`` whole loop side by side.
+
+Workloads (both from config with seeded random weights, no download; the tiny character
+tokenizer, so the vocabulary is ~110 tokens on both sides):
+
+* ``gpu-small``: ``recipes/math_agent.py``'s ``gpu-small`` model (25M parameters, float32),
+  three-digit questions, 8 new tokens at most, 32 tasks x 8 samples a step;
+* ``qwen3-0.6b``: Qwen3-0.6B's body (28 layers, 1024 wide, GQA 16/8), bf16, responses of
+  ``--response-tokens`` tokens exactly (EOS ignored on both sides), 16 tasks x 4 samples a step.
+
+The reward is a seeded hash of the response (a random model never answers right, and a
+constant reward gives no group a signal), so every step trains every sequence on both sides.
+
+agentrl: ``Trainer`` with ``model.device=auto`` (policy, learner and embedded engine on the
+card), the overlapped loop (``max_staleness=1``), one optimizer step per batch. TRL:
+``GRPOTrainer.train()`` with its own generation (``use_vllm=False``), GSPO settings as in
+``benchmarks/_trl_side.py`` (sequence-level ratio, epsilon 3e-4/4e-4, beta 0), one optimizer
+step per generation batch of the same size. Trained tokens = prompt + response tokens of the
+trained sequences; the first ``--warmup`` steps of each side are not timed.
+
+Reported for agentrl: loop tokens/s, the per-step wall split (waiting for rollouts, update,
+weight push, the rest), the GPU-busy fraction (``nvidia-smi`` utilisation sampled every 100
+ms over the timed steps: the share of time a kernel was running), the in-process weight push
+(``time/sync_s``) and response tokens whose groups finished during updates (overlap).
+
+Usage: ``python benchmarks/loop_gpu.py [--workloads gpu-small qwen3-0.6b] [--steps 4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.config import load_config
+from agentrl.env import Env, StepResult, register
+from agentrl.tiny import QWEN3_0_6B_SHAPE
+from agentrl.types import Message, Task
+
+GPU_SMALL_MODEL = {
+    "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+}  # fmt: skip
+Q06_MODEL = {k: v for k, v in QWEN3_0_6B_SHAPE.items() if k != "vocab_size"}
+
+
+def hashed_reward(text: str, seed: int = 0) -> float:
+    """A reward in [0, 1) that depends only on the text (the same on both sides)."""
+    digest = hashlib.sha256(f"{seed}/{text}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") / 2**32
+
+
+class HashEnv(Env):
+    """One turn: the question, then a hashed reward of the answer."""
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
+        """Show the question."""
+        return [Message(role="user", content=task.prompt)], {}
+
+    async def step(self, action: str) -> StepResult:
+        """Score the answer by its hash."""
+        return StepResult(reward=hashed_reward(action), terminated=True)
+
+    @classmethod
+    def sample_tasks(cls, n: int, *, seed: int = 0, split: str = "train") -> list[Task]:
+        """Three-digit sums as questions."""
+        g = torch.Generator().manual_seed(seed + (split == "test"))
+        ab = torch.randint(100, 1000, (n, 2), generator=g).tolist()
+        return [Task(id=f"{split}-{i}", prompt=f"{a}+{b}", answer=str(a + b)) for i, (a, b) in
+                enumerate(ab)]  # fmt: skip
+
+
+register("bench-hash-v0", HashEnv)
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "gpu-small": {"model": GPU_SMALL_MODEL, "dtype": "float32", "tasks": 32, "group": 8,
+                  "new_tokens": 8, "ignore_eos": False, "lr": 3e-5},
+    "qwen3-0.6b": {"model": Q06_MODEL, "dtype": "bfloat16", "tasks": 16, "group": 4,
+                   "new_tokens": 256, "ignore_eos": True, "lr": 1e-6},
+}  # fmt: skip
+
+
+class GpuBusy:
+    """``nvidia-smi``'s utilisation of card 0, sampled every 100 ms between start and stop."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start sampling."""
+        cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+               "-i", "0", "-lms", "100"]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.strip().isdigit():
+                self.samples.append(float(line) / 100)
+
+    def stop(self) -> float:
+        """Stop; the mean busy fraction (nan without samples)."""
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
+
+
+def agentrl_loop(name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time."""
+    from agentrl.loop.trainer import Trainer
+
+    w = WORKLOADS[name]
+    bf16 = w["dtype"] == "bfloat16"
+    run_dir = tempfile.mkdtemp(prefix=f"loop_gpu_{name}_")
+    config = load_config({
+        "run_dir": run_dir, "seed": 0,
+        "model": {"tiny": dict(w["model"], max_position_embeddings=4096), "dtype": w["dtype"],
+                  "device": "auto"},
+        "inference": {"max_batch_size": w["tasks"] * w["group"]},
+        "env": {"id": "bench-hash-v0", "num_train_tasks": 4096, "num_eval_tasks": 1},
+        "rollout": {"group_size": w["group"], "max_turns": 1, "max_new_tokens": w["new_tokens"],
+                    "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
+                    "temperature": 1.0, "concurrency": 4096},
+        "learner": {"lr": w["lr"], "num_minibatches": 1, "dtype": w["dtype"],
+                    "micro_batch_tokens": 16384,
+                    **({"attention_kernel": "triton"} if bf16 else {})},
+        "train": {"steps": steps + warmup, "tasks_per_step": w["tasks"], "eval_every": 0,
+                  "max_staleness": 1},
+    })  # fmt: skip
+    trainer = Trainer(config)
+    busy = GpuBusy()
+    marks: dict[int, float] = {}
+
+    def on_step(rec: dict[str, Any]) -> None:
+        if "perf/tokens" in rec:
+            torch.cuda.synchronize()
+            marks[int(rec["step"])] = time.perf_counter()
+            if int(rec["step"]) == warmup:
+                busy.start()
+
+    trainer.on_step = on_step
+    asyncio.run(trainer.run())
+    gpu_busy = busy.stop()
+    recs = [json.loads(ln) for ln in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in recs if "perf/tokens" in r and r["step"] > warmup]
+    wall = marks[warmup + steps] - marks[warmup]
+    tokens = sum(r["perf/tokens"] for r in timed)
+    per_step = {
+        "rollout_wait": sum(r["time/wait_s"] for r in timed) / steps,
+        "update": sum(r["time/train_s"] for r in timed) / steps,
+        "weight_push": sum(r["time/sync_s"] for r in timed) / steps,
+    }
+    per_step["other"] = wall / steps - sum(per_step.values())
+    return {
+        "tokens_per_s": tokens / wall,
+        "tokens_per_step": tokens / steps,
+        "step_s": wall / steps,
+        "time_split_s": per_step,
+        "gpu_busy": gpu_busy,
+        "weight_push_s": min(r["time/sync_s"] for r in timed),
+        "overlap_tokens_per_step": sum(r.get("pipeline/overlap_tokens", 0) for r in timed) / steps,
+        "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+    }
+
+
+def trl_loop(name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """TRL's ``GRPOTrainer.train()``, its own generation; trained tokens/s over the timed steps."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl.tiny import build_tiny
+
+    w = WORKLOADS[name]
+    bf16 = w["dtype"] == "bfloat16"
+    model, tok = build_tiny(seed=0, **dict(w["model"], max_position_embeddings=4096))
+    model = model.to("cuda", torch.bfloat16 if bf16 else torch.float32)
+    n_seqs = w["tasks"] * w["group"]
+    micro = min(n_seqs, 64 if not bf16 else 16)
+    tasks = HashEnv.sample_tasks(w["tasks"] * (steps + warmup), seed=0)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": t.prompt}] for t in tasks]})
+    gen_kwargs = {"min_new_tokens": w["new_tokens"]} if w["ignore_eos"] else {}
+
+    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [hashed_reward(c[0]["content"] if isinstance(c, list) else c) for c in completions]
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_loop_"),
+        importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+        beta=0.0, bf16=bf16, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n_seqs // micro, steps_per_generation=n_seqs // micro,
+        num_generations=w["group"], max_completion_length=w["new_tokens"], temperature=1.0,
+        generation_kwargs=gen_kwargs, use_vllm=False, learning_rate=w["lr"],
+        lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=steps + warmup,
+        logging_steps=1, report_to="none", save_strategy="no", seed=0, shuffle_dataset=False,
+    )  # fmt: skip
+    marks: dict[int, float] = {}
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            torch.cuda.synchronize()
+            marks[state.global_step] = time.perf_counter()
+
+    class Quiet(GRPOTrainer):  # type: ignore[misc]
+        def _send_telemetry(self) -> None:  # no network on benchmark hosts
+            return
+
+    trainer = Quiet(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                    processing_class=tok, callbacks=[Clock()])  # fmt: skip
+    trainer.train()
+    logs = {int(h["step"]): h for h in trainer.state.log_history if "num_tokens" in h}
+    wall = marks[warmup + steps] - marks[warmup]
+    tokens = logs[warmup + steps]["num_tokens"] - logs[warmup]["num_tokens"]
+    return {"tokens_per_s": tokens / wall, "tokens_per_step": tokens / steps,
+            "step_s": wall / steps}  # fmt: skip
+
+
+def main() -> None:
+    """Run the workloads, print a table and, last, the headline JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--response-tokens", type=int, default=256, help="qwen3-0.6b responses")
+    ap.add_argument("--no-trl", action="store_true")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("loop_gpu.py needs a CUDA device")
+    WORKLOADS["qwen3-0.6b"]["new_tokens"] = a.response_tokens
+    card = torch.cuda.get_device_name(0)
+    results: dict[str, dict[str, Any]] = {}
+    for name in a.workloads:
+        ours = agentrl_loop(name, a.steps, a.warmup)
+        torch.cuda.empty_cache()
+        trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
+        torch.cuda.empty_cache()
+        results[name] = {"agentrl": ours, "trl": trl}
+        split = ", ".join(f"{k} {v:.2f}" for k, v in ours["time_split_s"].items())
+        print(f"\n{name} on {card} ({ours['params'] / 1e6:.0f}M parameters)")
+        rows = [("agentrl loop", ours), ("TRL loop", trl)] if trl else [("agentrl loop", ours)]
+        for label, r in rows:
+            print(
+                f"  {label:13s} {r['tokens_per_s']:10,.0f} tokens/s  {r['step_s']:.2f} s/step"
+                f"  ({r['tokens_per_step']:,.0f} tokens/step)"
+            )
+        print(f"    agentrl per step (s): {split}")
+        print(
+            f"    GPU busy {ours['gpu_busy']:.1%}  weight push {ours['weight_push_s'] * 1e3:.1f} ms"
+            f"  learner alone {ours['learner_tokens_per_s']:,.0f} tokens/s"
+            f"  overlap tokens/step {ours['overlap_tokens_per_step']:,.0f}"
+        )
+        if trl:
+            print(f"    speedup vs TRL {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x")
+    head = results[a.workloads[-1]]
+    ours, trl = head["agentrl"], head["trl"]
+    print(json.dumps({
+        "workload": a.workloads[-1],
+        "loop_tokens_per_s": round(ours["tokens_per_s"], 1),
+        "trl_loop_tokens_per_s": None if trl is None else round(trl["tokens_per_s"], 1),
+        "loop_speedup_vs_trl": None if trl is None else
+        round(ours["tokens_per_s"] / trl["tokens_per_s"], 3),
+        "time_split": {k: round(v, 4) for k, v in ours["time_split_s"].items()},
+        "gpu_busy": round(ours["gpu_busy"], 3),
+        "weight_push_s": round(ours["weight_push_s"], 4),
+        "all": results,
+        "card": card,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
