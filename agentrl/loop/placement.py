@@ -138,8 +138,8 @@ def load_policy(config: TrainConfig) -> tuple[Any, Any]:
 def make_local_engine(model: Any, tokenizer: Any, config: TrainConfig) -> Any:
     """The embedded engine on the policy's card, with its own copy of the weights.
 
-    The KV budget goes to the engine when its constructor takes one; otherwise it caps the
-    rows decoded together, so that their full-length caches fit the budget.
+    On a card the KV budget sizes the paged engine's cache; on the CPU path (whose cache grows
+    per row) it caps the rows decoded together, so that their full-length caches fit it.
     """
     from agentrl.inference.engine import LocalEngine
 
@@ -148,7 +148,7 @@ def make_local_engine(model: Any, tokenizer: Any, config: TrainConfig) -> Any:
     kwargs: dict[str, Any] = {"max_batch_size": inf.max_batch_size}
     device = next(model.parameters()).device
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
-    if "kv_cache_gib" in params and "kv_cache_frac" in params:
+    if device.type == "cuda" and "kv_cache_gib" in params:  # the paged engine sizes its cache
         frac = None if inf.kv_cache_gib is not None else inf.kv_cache_frac  # GiB wins
         kwargs.update(kv_cache_gib=inf.kv_cache_gib, kv_cache_frac=frac)
     else:
