@@ -164,7 +164,7 @@ async def env_call(what: str, call: Awaitable[T], timeout_s: float | None) -> T:
 
 
 def _message(value: Any, where: str) -> Message:
-    raw = value.model_dump() if isinstance(value, Message) else value
+    raw = value.model_dump(warnings=False) if isinstance(value, Message) else value
     try:
         return Message.model_validate(raw)
     except ValidationError as exc:
