@@ -53,6 +53,17 @@ class InferenceConfig(_Section):
     kv_cache_frac: float | None = Field(None, gt=0, le=1)
     """Embedded engine: the KV-cache budget as a fraction of the card's free memory once the
     learner is built (``kv_cache_gib`` wins when both are set; neither: no budget)."""
+    retry_s: float = Field(60.0, ge=0)
+    """How long a request keeps retrying (with backoff) while no endpoint can take it, e.g. while
+    the only server restarts, before its episode fails (CLI ``--retry-s``)."""
+    stall_s: float | None = Field(30.0, gt=0)
+    """A request in flight this long triggers a health probe of its endpoint; if the endpoint
+    does not answer, the request is aborted there first, then resubmitted to a healthy endpoint.
+    ``None`` disables the check."""
+
+    def client_options(self) -> dict[str, Any]:
+        """The :class:`~agentrl.inference.client.SGLangClient` keyword arguments set here."""
+        return {"timeout_s": self.timeout_s, "retry_s": self.retry_s, "stall_s": self.stall_s}
 
 
 class EnvConfig(_Section):

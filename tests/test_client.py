@@ -128,8 +128,9 @@ async def test_killed_server_mid_batch_fails_over(tiny_server, tiny_server_facto
         moved = [o for o in outs if "-retry" in o.meta["server_rid"]]
         assert moved and all(o.endpoint == tiny_server.url for o in outs)
         assert client.healthy_endpoints == [tiny_server.url]
-    # With nowhere to go the request fails fast, naming the endpoint and the rid.
-    async with SGLangClient(victim.url, max_retries=1, backoff_s=0.05) as alone:
+    # With nowhere to go the request fails once its retry window closes, naming the endpoint
+    # and the rid.
+    async with SGLangClient(victim.url, max_retries=1, backoff_s=0.05, retry_s=1.0) as alone:
         async with asyncio.timeout(20):
             with pytest.raises(ServerError, match="no healthy endpoint") as info:
                 await alone.generate([1, 2], sp(4), rid="lost")

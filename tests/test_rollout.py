@@ -167,7 +167,7 @@ async def test_episode_timeout_truncates(engine) -> None:
     ro = RolloutEngine(engine, engine.tokenizer, config(group_size=2, episode_timeout_s=0.3))
     [g] = await ro.run_groups(lambda: Flaky(delay=2.0), [Task(id="slow", prompt="p")])
     assert [t.finish_reason for t in g.trajectories] == ["timeout", "timeout"]
-    assert all(t.truncated and t.error is None for t in g.trajectories)
+    assert all(t.truncated and t.info["failure"] == "timeout" for t in g.trajectories)
 
 
 async def test_scoring_overlaps_other_episodes(engine) -> None:

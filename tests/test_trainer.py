@@ -168,3 +168,48 @@ def test_trains_through_an_sglang_endpoint_with_tensorboard(tmp_path: Path, scra
     assert (tmp_path / "weights" / "model.safetensors").exists()
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def quick_run(run_dir: Path, steps: int) -> dict:
+    return tiny_run(
+        run_dir,
+        cold_start={"steps": 0},
+        train={"steps": steps, "checkpoint_every": 2, "eval_every": 0, "tasks_per_step": 4},
+        env={"num_eval_tasks": 4},
+    )
+
+
+def test_resume_before_the_first_checkpoint_starts_over(tmp_path: Path) -> None:
+    fresh, killed = tmp_path / "fresh", tmp_path / "killed"
+    asyncio.run(Trainer(load_config(quick_run(fresh, 1))).run())
+    # killed after the cold start and two logged steps, before the first checkpoint
+    killed.mkdir()
+    lines = (fresh / "metrics.jsonl").read_text().splitlines()
+    (killed / "metrics.jsonl").write_text("\n".join(lines[:1] + lines[1:2] * 2) + "\n{torn")
+    (killed / "trajectories.jsonl").write_text((fresh / "trajectories.jsonl").read_text() * 2)
+    trainer = Trainer(load_config(quick_run(killed, 1)), resume=True)
+    asyncio.run(trainer.run())
+    assert trainer.notice is not None and "no checkpoint" in trainer.notice
+    assert records(killed) == records(fresh)  # before: steps [0, 1, 1, 0, 1, 1]
+    t_fresh = (fresh / "trajectories.jsonl").read_text().splitlines()
+    assert len((killed / "trajectories.jsonl").read_text().splitlines()) == len(t_fresh)
+
+
+def test_resume_needs_a_run_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="existing run directory"):
+        Trainer(load_config(quick_run(tmp_path / "missing", 1)), resume=True)
+
+
+def test_finished_run_resumes_as_a_no_op_and_checkpoints_once(tmp_path: Path) -> None:
+    trainer = Trainer(load_config(quick_run(tmp_path, 2)))
+    saved: list[str] = []
+    save = trainer.learner.save_checkpoint
+    trainer.learner.save_checkpoint = lambda path: (saved.append(Path(path).name), save(path))[1]
+    asyncio.run(trainer.run())
+    assert saved == ["step-000002"]  # before: the final checkpoint was written twice
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.json*")}
+    again = Trainer(load_config(quick_run(tmp_path, 2)), resume=True)
+    summary = asyncio.run(again.run())
+    assert summary["already_finished"] and summary["steps"] == 2
+    assert "already finished" in (again.notice or "")
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.json*")} == before

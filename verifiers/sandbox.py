@@ -314,11 +314,14 @@ class Sandbox:
             extra = 0 if uid is not None else _count_tasks(os.getuid())
             rlim.append((r.RLIMIT_NPROC, self.limits.nproc + extra))
         setup = functools.partial(_child_setup, uid, self._expose, rlim, level == "rlimits")
-        start = time.monotonic()
         if level == "namespaces":
             launch = self._launch_namespaces(job.code, env, setup)
         else:
             launch = self._launch_rlimits(job.code, env, setup, uid)
+        # The clock starts once the program is exec'd: forking this (large, maybe loaded) process
+        # and running the pre-exec setup is the host's time, not the program's; counted in, it
+        # made a 1 s limit end before the program had run under load (and time_s exceed 2 s).
+        start = time.monotonic()
         data = job.stdin.encode("utf-8", "replace")  # model text may hold lone surrogates
         pipes = _Pipes(launch.proc, data, launch.status_fd, self.limits)
         try:

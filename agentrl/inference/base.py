@@ -8,6 +8,7 @@ vocabulary, not renormalised by top-p/top-k (plain ``log_softmax(logits)`` when 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -33,7 +34,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")

@@ -5,16 +5,17 @@ Design:
 - **Token-in, token-out.** ``/generate`` gets ``input_ids`` and ``return_logprob: true`` and the
   output is read from ``output_ids`` and ``meta_info.output_token_logprobs``, never from text.
   ``max_new_tokens`` is always sent (SGLang's default is 128).
-- **One aiohttp session per client** (opened lazily or in ``__aenter__``, closed in ``aclose``),
-  with an explicit ``ClientTimeout``.
+- **One aiohttp session per client** (lazily or in ``__aenter__``), with a ``ClientTimeout``.
 - **Several endpoints.** The turns of one ``session_id`` stick to one endpoint (its prefix cache
   is reused); a new session goes to the healthy endpoint with the fewest requests in flight.
   Connection errors, timeouts and 5xx are retried with exponential backoff (``max_retries``
   per endpoint); then the endpoint leaves the rotation until a health check (lazy, at most every
   ``health_interval_s``) passes again, and the request moves, whole and with a new ``rid``, to
   another healthy endpoint. A 4xx or a malformed response is a :class:`ServerError` at once.
-- **Weight versions are ints in agentrl; SGLang's are string labels.** See
-  :func:`agentrl.inference.sglang_api.parse_weight_version` for the mapping.
+- **Faults.** While no endpoint can take a request (a restart), it waits with backoff for up to
+  ``retry_s``. A request in flight for ``stall_s`` probes its endpoint; if that does not answer
+  (a frozen process), the request is aborted there first, then resubmitted elsewhere.
+- **Weight versions are ints here, labels in SGLang** (``sglang_api.parse_weight_version``).
 """
 
 from __future__ import annotations
@@ -22,92 +23,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.inference.sglang_api import error_text, parse_generate_response, warn_if_truncating
+from agentrl.inference.endpoints import (
+    Active,
+    Endpoint,
+    EndpointPool,
+    Retryable,
+    Stalled,
+    backoff_delay,
+)
+from agentrl.inference.sglang_api import (
+    aborted_output,
+    check_update_response,
+    error_text,
+    parse_generate_response,
+    warn_if_truncating,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Endpoint:
-    url: str
-    in_flight: int = 0
-    healthy: bool = True
-    last_check: float = 0.0
-    checking: bool = False
-
-
-@dataclass
-class _Active:
-    """A generate call in progress: where it runs now, under which server-side rid."""
-
-    server_rid: str
-    endpoint: _Endpoint | None = None
-    aborted: bool = False
-
-
-class _Retryable(Exception):
-    """A connection error, timeout or 5xx: worth another try."""
-
-
-class _EndpointPool:
-    """The endpoints, their rotation flags and sticky sessions; placement by fewest in flight."""
-
-    def __init__(self, urls: list[str], max_sessions: int) -> None:
-        self.endpoints = [_Endpoint(url.rstrip("/")) for url in urls]
-        self._sessions: OrderedDict[str, _Endpoint] = OrderedDict()
-        self._max_sessions = max_sessions
-        self._rr = 0
-
-    def healthy(self, exclude: set[str]) -> list[_Endpoint]:
-        return [ep for ep in self.endpoints if ep.healthy and ep.url not in exclude]
-
-    def down(self, exclude: set[str]) -> list[_Endpoint]:
-        return [ep for ep in self.endpoints if not ep.healthy and ep.url not in exclude]
-
-    def mark_down(self, ep: _Endpoint, why: str) -> None:
-        if ep.healthy:
-            logger.warning("endpoint %s out of rotation: %s", ep.url, why)
-        ep.healthy = False
-        ep.last_check = time.monotonic()
-
-    def due_for_probe(self, interval_s: float) -> list[_Endpoint]:
-        now = time.monotonic()
-        return [
-            ep
-            for ep in self.endpoints
-            if not ep.healthy and not ep.checking and now - ep.last_check >= interval_s
-        ]
-
-    def choose(self, session_id: str | None, exclude: set[str]) -> _Endpoint | None:
-        """The session's endpoint if it is usable, else the least-loaded healthy one."""
-        sticky = self._sessions.get(session_id) if session_id is not None else None
-        if session_id is not None and sticky is not None:
-            if sticky.healthy and sticky.url not in exclude:
-                self._sessions.move_to_end(session_id)
-                return sticky
-        candidates = self.healthy(exclude)
-        if not candidates:
-            return None
-        start = self._rr % len(candidates)  # ties go round-robin
-        self._rr += 1
-        best = min(candidates[start:] + candidates[:start], key=lambda ep: ep.in_flight)
-        if session_id is not None:
-            self._sessions[session_id] = best
-            self._sessions.move_to_end(session_id)
-            while len(self._sessions) > self._max_sessions:
-                self._sessions.popitem(last=False)
-        return best
 
 
 class SGLangClient:
@@ -118,6 +58,9 @@ class SGLangClient:
         timeout_s: total time one HTTP call may take (a whole generation).
         connect_timeout_s: time to open a connection.
         max_retries: retries per endpoint after a connection error, timeout or 5xx.
+        retry_s: how long a request waits (with backoff) while no endpoint can take it.
+        stall_s: a request in flight this long probes its endpoint; one that does not answer
+            is aborted there and resubmitted to another endpoint (``None``: never).
         backoff_s: first retry delay; it doubles per retry (with jitter), capped at 5 s.
         health_interval_s: least time between health probes of an endpoint out of rotation.
         health_timeout_s: time a health probe may take.
@@ -132,6 +75,8 @@ class SGLangClient:
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         max_retries: int = 2,
+        retry_s: float = 60.0,
+        stall_s: float | None = 30.0,
         backoff_s: float = 0.25,
         health_interval_s: float = 5.0,
         health_timeout_s: float = 5.0,
@@ -143,16 +88,18 @@ class SGLangClient:
             raise ValueError("endpoints: expected at least one URL, got none")
         if max_retries < 0:
             raise ValueError(f"max_retries: expected >= 0, got {max_retries}")
-        self._pool = _EndpointPool(urls, max_sessions)
+        self._pool = EndpointPool(urls, max_sessions)
         self._endpoints = self._pool.endpoints
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self.max_retries = max_retries
+        self.retry_s = retry_s
+        self.stall_s = stall_s
         self.backoff_s = backoff_s
         self.health_interval_s = health_interval_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, Active] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_update: tuple[str, str] | None = None
 
@@ -193,7 +140,7 @@ class SGLangClient:
 
     async def _request(
         self,
-        ep: _Endpoint,
+        ep: Endpoint,
         method: str,
         path: str,
         payload: dict[str, Any] | None = None,
@@ -201,16 +148,16 @@ class SGLangClient:
         rid: str | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
     ) -> bytes:
-        """One HTTP call: the body on 2xx, :class:`_Retryable` or :class:`ServerError` otherwise."""
+        """One HTTP call: the body on 2xx, :class:`Retryable` or :class:`ServerError` otherwise."""
         try:
             async with self._http().request(
                 method, ep.url + path, json=payload, timeout=timeout or self._timeout
             ) as resp:
                 status, body = resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         if status >= 500:
-            raise _Retryable(f"HTTP {status}: {error_text(body)}")
+            raise Retryable(f"HTTP {status}: {error_text(body)}")
         if status >= 400:
             raise ServerError(
                 f"{path} rejected with HTTP {status}: {error_text(body)}",
@@ -221,13 +168,13 @@ class SGLangClient:
         return body
 
     async def _call(
-        self, ep: _Endpoint, method: str, path: str, payload: dict[str, Any] | None = None
+        self, ep: Endpoint, method: str, path: str, payload: dict[str, Any] | None = None
     ) -> bytes:
         """``_request`` with retries and backoff; marks the endpoint down when they run out."""
         for attempt in range(self.max_retries + 1):
             try:
                 return await self._request(ep, method, path, payload)
-            except _Retryable as exc:
+            except Retryable as exc:
                 if attempt == self.max_retries:
                     self._pool.mark_down(ep, str(exc))
                     raise ServerError(
@@ -237,7 +184,7 @@ class SGLangClient:
         raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int) -> float:
-        return min(5.0, self.backoff_s * 2**attempt) * random.uniform(0.8, 1.2)
+        return backoff_delay(self.backoff_s, attempt)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -246,7 +193,7 @@ class SGLangClient:
 
     # ---- endpoint health and placement ----------------------------------------------------------
 
-    async def _probe(self, ep: _Endpoint) -> bool:
+    async def _probe(self, ep: Endpoint) -> bool:
         """Health-check ``ep``; bring it back (synced to the last weights pushed) if it passes."""
         ep.checking, ep.last_check = True, time.monotonic()
         try:
@@ -257,7 +204,7 @@ class SGLangClient:
                 if str(info.get("weight_version")) != label:
                     logger.info("endpoint %s is on old weights; pushing version %s", ep.url, label)
                     await self._update_one(ep, path, label)
-        except (_Retryable, ServerError, ValueError) as exc:
+        except (Retryable, ServerError, ValueError) as exc:
             logger.debug("endpoint %s still unhealthy: %s", ep.url, exc)
             return False
         finally:
@@ -267,7 +214,7 @@ class SGLangClient:
         ep.healthy = True
         return True
 
-    async def _pick(self, session_id: str | None, exclude: set[str]) -> _Endpoint | None:
+    async def _pick(self, session_id: str | None, exclude: set[str]) -> Endpoint | None:
         """Place a request; probe endpoints out of rotation (lazily, or now if none is left)."""
         for ep in self._pool.due_for_probe(self.health_interval_s):
             self._spawn(self._probe(ep))
@@ -303,45 +250,51 @@ class SGLangClient:
             "sampling_params": params.to_sglang(),
             "return_logprob": True,
         }
-        active = self._active[rid] = _Active(server_rid=rid)
+        active = self._active[rid] = Active(server_rid=rid)
         try:
             return await self._generate(body, rid, session_id, active)
         finally:
             del self._active[rid]
 
     async def _generate(
-        self, body: dict[str, Any], rid: str, session_id: str | None, active: _Active
+        self, body: dict[str, Any], rid: str, session_id: str | None, active: Active
     ) -> GenerateOutput:
         tried: set[str] = set()
         errors: list[str] = []
-        attempt = 0
+        attempt = waits = 0
+        deadline: float | None = None  # the retry window opens when no endpoint is left
         while True:
             ep = await self._pick(session_id, tried)
             if ep is None:
-                where = ", ".join(sorted(tried)) or ", ".join(self.endpoints)
-                raise ServerError(
-                    "generate failed: no healthy endpoint left"
-                    + (f" ({'; '.join(errors[-3:])})" if errors else ""),
-                    endpoint=where,
-                    rid=rid,
-                )
+                now = time.monotonic()
+                deadline = now + self.retry_s if deadline is None else deadline
+                if now >= deadline or active.aborted:
+                    if active.aborted:
+                        return aborted_output(rid)
+                    raise ServerError(
+                        f"generate failed: no healthy endpoint within retry_s={self.retry_s}"
+                        + (f" ({'; '.join(errors[-3:])})" if errors else ""),
+                        endpoint=", ".join(sorted(tried)) or ", ".join(self.endpoints),
+                        rid=rid,
+                    )
+                await asyncio.sleep(min(self._backoff(waits), deadline - now))
+                waits += 1
+                tried.clear()  # every endpoint may be back: probe them all again
+                continue
             for retry in range(self.max_retries + 1):
                 if active.aborted:
-                    return _aborted_between_tries(rid)
+                    return aborted_output(rid)
                 # A re-sent request gets a new rid: the old one may still be open on the server.
                 active.server_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
                 attempt += 1
                 active.endpoint = ep
                 ep.in_flight += 1
                 try:
-                    raw = await self._request(
-                        ep,
-                        "POST",
-                        "/generate",
-                        {**body, "rid": active.server_rid},
-                        rid=active.server_rid,
-                    )
-                except _Retryable as exc:
+                    raw = await self._post_generate(ep, {**body, "rid": active.server_rid})
+                except Stalled as exc:
+                    errors.append(f"{ep.url} rid={active.server_rid}: {exc}")
+                    break  # aborted there already; the endpoint is out of rotation
+                except Retryable as exc:
                     errors.append(f"{ep.url} rid={active.server_rid}: {exc}")
                     self._spawn(self._abort_quietly(ep, active.server_rid))
                     if retry < self.max_retries:
@@ -365,13 +318,46 @@ class SGLangClient:
             self._pool.mark_down(ep, errors[-1])
             tried.add(ep.url)
 
-    async def _abort_quietly(self, ep: _Endpoint, server_rid: str) -> None:
+    async def _post_generate(self, ep: Endpoint, payload: dict[str, Any]) -> bytes:
+        """``/generate`` on ``ep``, watched for stalls (see the module docstring).
+
+        Raises:
+            Stalled: ``ep`` stopped answering; the request was aborted there first.
+        """
+        rid = payload["rid"]
+        call = self._request(ep, "POST", "/generate", payload, rid=rid)
+        if self.stall_s is None:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.stall_s)
+                if done:
+                    return task.result()
+                if await self._answers(ep):
+                    continue  # busy, not stalled: a long generation is fine
+                self._pool.mark_down(ep, f"no answer for {self.stall_s} s")
+                await self._abort_quietly(ep, rid)
+                raise Stalled(f"no progress for {self.stall_s} s and the endpoint does not answer")
+        finally:
+            if not task.done():
+                task.cancel()  # (closing the connection makes the server abort it too)
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _answers(self, ep: Endpoint) -> bool:  # within the health timeout
+        try:
+            await self._request(ep, "GET", "/health", timeout=self._health_timeout)
+        except (Retryable, ServerError):
+            return False
+        return True
+
+    async def _abort_quietly(self, ep: Endpoint, server_rid: str) -> None:
         """Best effort: a request that timed out may still run on the server."""
         try:
             await self._request(
                 ep, "POST", "/abort_request", {"rid": server_rid}, timeout=self._health_timeout
             )
-        except (_Retryable, ServerError):
+        except (Retryable, ServerError):
             pass
 
     async def abort(self, rid: str | None = None) -> None:
@@ -462,9 +448,11 @@ class SGLangClient:
                 endpoint=", ".join(self.endpoints),
             )
 
-    async def _update_one(self, ep: _Endpoint, model_path: str, label: str) -> None:
+    async def _update_one(self, ep: Endpoint, model_path: str, label: str) -> None:
         payload = {"model_path": model_path, "weight_version": label}
-        _check_update(await self._call(ep, "POST", "/update_weights_from_disk", payload), ep.url)
+        check_update_response(
+            await self._call(ep, "POST", "/update_weights_from_disk", payload), ep.url
+        )
 
     async def flush_cache(self) -> bool:
         """``/flush_cache`` on every endpoint; False if one refused (busy: requests open)."""
@@ -510,19 +498,3 @@ class SGLangClient:
             return int(models["data"][0]["max_model_len"])
         except (KeyError, IndexError, TypeError, ValueError):
             raise ServerError(f"malformed /v1/models response: {models!r}", endpoint="") from None
-
-
-def _aborted_between_tries(rid: str) -> GenerateOutput:
-    """An abort that landed between two tries: nothing was generated."""
-    return GenerateOutput(rid, [], [], [], "abort", weight_version=-1, endpoint="client")
-
-
-def _check_update(raw: bytes, url: str) -> None:
-    try:
-        result = json.loads(raw)
-    except ValueError:
-        raise ServerError(
-            f"malformed weight update response: {raw[:200]!r}", endpoint=url, status=200
-        ) from None
-    if not isinstance(result, dict) or result.get("success") is not True:
-        raise ServerError(f"weight update failed: {result!r}", endpoint=url, status=200)

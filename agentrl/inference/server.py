@@ -17,13 +17,11 @@ the server keeps the label of every int it has seen, so spans report the labels 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
@@ -32,43 +30,26 @@ from agentrl import __version__
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.engine import PAUSE_MODES, LocalEngine, PauseMode
+from agentrl.inference.server_requests import GenerateItem, json_body, parse_generate
 from agentrl.inference.sglang_api import (
     ContractError,
     RequestError,
-    TextOptions,
     finish_reason_json,
-    parse_sampling_params,
     parse_weight_version,
-    serde_unexpected,
     version_spans,
 )
 from agentrl.inference.weight_receive import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
+MAX_BODY_BYTES = 32 * 1024**2
+"""Default request body limit: a full-context prompt as JSON ids is a few MB at most."""
+
 _FLOAT32_MIN = -3.4028234663852886e38  # SGLang clamps log-probs here (JSON has no -inf)
-_UNSUPPORTED_TOP_LEVEL = (
-    "image_data", "video_data", "audio_data", "lora_path", "session_params",
-    "custom_logit_processor", "token_ids_logprob", "input_embeds",
-)  # fmt: skip
 _FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
-
-
-@dataclass
-class _Item:
-    """One prompt of a ``/generate`` call, normalised from the single or batch form."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    text_options: TextOptions
-    return_logprob: bool
-    logprob_start_len: int
-    return_text_in_logprobs: bool
-    return_prompt_token_ids: bool
 
 
 def _plain(exc: Exception) -> str:
@@ -80,24 +61,6 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _per_prompt(body: dict[str, Any], key: str, default: Any, n: int, batch: bool) -> list[Any]:
-    """A field that is one value for every prompt or, in batch form, a list of n values."""
-    value = body.get(key)
-    if value is None:
-        return [default] * n
-    if batch and isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"{key}: expected {n} values (one per prompt), got {len(value)}")
-        return [default if v is None else v for v in value]
-    return [value] * n
-
-
-def _expect(values: list[Any], kind: type, expected: str) -> None:
-    for value in values:
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ContractError(f"invalid type: {serde_unexpected(value)}, expected {expected}")
-
-
 class EngineServer:
     """The aiohttp application around one :class:`LocalEngine`.
 
@@ -106,6 +69,7 @@ class EngineServer:
         model_path: reported by ``/model_info``; changes with ``/update_weights_from_disk``.
         served_model_name: the model id of ``/v1/models`` (default: ``model_path``).
         weight_version: the label of the engine's current weights (SGLang's ``"default"``).
+        max_body_bytes: the largest request body accepted (larger ones get a 413).
     """
 
     def __init__(
@@ -115,8 +79,10 @@ class EngineServer:
         model_path: str,
         served_model_name: str | None = None,
         weight_version: str = "default",
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self._labels = {engine.weight_version: weight_version}
@@ -132,7 +98,7 @@ class EngineServer:
 
     def app(self) -> web.Application:
         """The routes of SGLang's native API that this server implements."""
-        app = web.Application(client_max_size=256 * 1024**2, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_errors_as_json])
         get, post = web.get, web.post
         app.add_routes(
             [
@@ -160,80 +126,14 @@ class EngineServer:
 
     # ---- /generate ----------------------------------------------------------------------------
 
-    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
-        """The token ids of every prompt (``input_ids`` wins over ``text``) and the batch flag."""
-        ids, text = body.get("input_ids"), body.get("text")
-        if ids is not None:
-            if not isinstance(ids, list):
-                raise ContractError(f"invalid type: {serde_unexpected(ids)}, expected a sequence")
-            batch = bool(ids) and isinstance(ids[0], list)
-            prompts = ids if batch else [ids]
-            for prompt in prompts:
-                if not isinstance(prompt, list):
-                    raise ContractError(
-                        f"invalid type: {serde_unexpected(prompt)}, expected a sequence"
-                    )
-                _expect(prompt, int, "i64")
-        elif text is not None:
-            batch = isinstance(text, list)
-            texts = text if batch else [text]
-            _expect(texts, str, "a string")
-            # As SGLang: HF defaults, so special tokens (a BOS, if the model has one) are added.
-            tok = self.engine.tokenizer
-            prompts = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
-        else:
-            raise RequestError("Either text or input_ids should be provided.")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise RequestError("input_ids: expected a non-empty prompt, got an empty one")
-        return prompts, batch
-
-    def _parse_generate(self, body: Any) -> tuple[list[_Item], bool]:
-        if not isinstance(body, dict):
-            raise ContractError(
-                f"invalid type: {serde_unexpected(body)}, expected struct GenerateRequest"
-            )
-        if body.get("stream"):
-            raise RequestError("stream=true is not supported by agentrl's embedded server")
-        for key in _UNSUPPORTED_TOP_LEVEL:
-            if body.get(key) not in (None, [], ""):
-                raise RequestError(f"{key} is not supported by agentrl's embedded server")
-        if body.get("top_logprobs_num") not in (None, 0) or body.get("return_hidden_states"):
-            raise RequestError("top_logprobs_num / return_hidden_states are not supported here")
-        prompts, batch = self._prompts(body)
-        n = len(prompts)
-        rid = body.get("rid")
-        if isinstance(rid, str) and batch:
-            rids = [f"{rid}_{i}" for i in range(n)]
-        else:
-            rids = [r or uuid.uuid4().hex for r in _per_prompt(body, "rid", None, n, batch)]
-        _expect(rids, str, "a string")
-        vocab = self.engine.vocab_size
-        sampling = [
-            parse_sampling_params(raw, vocab_size=vocab)
-            for raw in _per_prompt(body, "sampling_params", {}, n, batch)
-        ]
-        logprob = _per_prompt(body, "return_logprob", False, n, batch)
-        starts = _per_prompt(body, "logprob_start_len", -1, n, batch)
-        _expect(logprob, bool, "a boolean")
-        _expect(starts, int, "i64")
-        flags = [body.get("return_text_in_logprobs"), body.get("return_prompt_token_ids")]
-        _expect([f for f in flags if f is not None], bool, "a boolean")
-        items = []
-        for i, prompt in enumerate(prompts):
-            if not -1 <= starts[i] <= len(prompt):
-                raise RequestError(
-                    f"logprob_start_len ({starts[i]}) must be -1 or in [0, {len(prompt)}]"
-                )
-            params, options = sampling[i]
-            items.append(
-                _Item(rids[i], prompt, params, options, logprob[i], starts[i], *map(bool, flags))
-            )
-        return items, batch
-
     async def generate(self, request: web.Request) -> web.Response:
         """``/generate``: single form → one object, batch form → a list in input order."""
         try:
-            items, batch = self._parse_generate(await _json_body(request))
+            items, batch = await parse_generate(
+                await json_body(request),
+                vocab_size=self.engine.vocab_size,
+                tokenizer=self.engine.tokenizer,
+            )
             if len({item.rid for item in items}) < len(items):
                 raise RequestError("Duplicate request ID detected: rids repeat within the batch")
             for item in items:  # reject before anything of this call starts running
@@ -252,7 +152,7 @@ class EngineServer:
                 task.cancel()
         return web.json_response(results if batch else results[0])
 
-    async def _run(self, item: _Item) -> dict[str, Any]:
+    async def _run(self, item: GenerateItem) -> dict[str, Any]:
         prompt_entries: list[list[Any]] = []
         if item.return_logprob and item.logprob_start_len >= 0:
             # SGLang's input logprobs are untempered log_softmax(logits); position 0 has none.
@@ -272,7 +172,7 @@ class EngineServer:
         return [self.engine.tokenizer.decode([t]) for t in ids]
 
     def _response(
-        self, item: _Item, out: GenerateOutput, prompt_entries: list[list[Any]]
+        self, item: GenerateItem, out: GenerateOutput, prompt_entries: list[list[Any]]
     ) -> dict[str, Any]:
         shown = out.output_ids
         if out.finish_reason == "stop" and not item.text_options.no_stop_trim:
@@ -309,7 +209,7 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """``{"rid": str, "abort_all": bool}`` → 200 with an empty body, matched or not."""
-        body = await _json_body(request, default={})
+        body = await json_body(request, default={})
         if body.get("abort_all") is True:
             await self.engine.abort(None)
         elif isinstance(body.get("rid"), str) and body["rid"]:
@@ -318,7 +218,7 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """``{"mode": "abort" | "retract" | "in_place"}`` (default ``"abort"``)."""
-        mode = (await _json_body(request, default={})).get("mode") or "abort"
+        mode = (await json_body(request, default={})).get("mode") or "abort"
         if mode not in PAUSE_MODES:
             return _error(f"mode: expected one of {list(PAUSE_MODES)}, got {mode!r}")
         await self.engine.pause(cast(PauseMode, mode))
@@ -326,13 +226,13 @@ class EngineServer:
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         """Resume after ``/pause_generation``."""
-        await _json_body(request, default={})
+        await json_body(request, default={})
         await self.engine.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """Load an HF directory; ``weight_version`` (if given) becomes the live label."""
-        body = await _json_body(request, default={})
+        body = await json_body(request, default={})
         path, label = body.get("model_path"), body.get("weight_version")
         if not isinstance(path, str) or not path:
             return _error("model_path: expected a non-empty string")
@@ -473,22 +373,6 @@ def _clamp(logprob: float | None) -> float | None:
     return None if logprob is None else max(logprob, _FLOAT32_MIN)
 
 
-async def _json_body(request: web.Request, default: Any = None) -> Any:
-    """The parsed JSON body (``default`` when empty); invalid JSON is a 400."""
-    raw = await request.read()
-    if not raw.strip():
-        if default is None:
-            raise RequestError("expected a JSON body")
-        return default
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from exc
-    if default is not None and not isinstance(body, dict):
-        raise RequestError("expected a JSON object")
-    return body
-
-
 @web.middleware
 async def _errors_as_json(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -497,7 +381,7 @@ async def _errors_as_json(
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        return _error(exc.reason, exc.status)
+        return _error(exc.text or exc.reason, exc.status)
     except (RequestError, ContractError) as exc:
         return _error(str(exc))
     except Exception as exc:

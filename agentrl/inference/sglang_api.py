@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,6 +159,23 @@ def parse_generate_response(
     )
 
 
+def aborted_output(rid: str) -> GenerateOutput:
+    """An abort that landed between two tries of a request: nothing was generated."""
+    return GenerateOutput(rid, [], [], [], "abort", weight_version=-1, endpoint="client")
+
+
+def check_update_response(raw: bytes, url: str) -> None:
+    """Raise :class:`ServerError` unless ``raw`` is a successful weight update response."""
+    try:
+        result = json.loads(raw)
+    except ValueError:
+        raise ServerError(
+            f"malformed weight update response: {raw[:200]!r}", endpoint=url, status=200
+        ) from None
+    if not isinstance(result, dict) or result.get("success") is not True:
+        raise ServerError(f"weight update failed: {result!r}", endpoint=url, status=200)
+
+
 # ---- server side: request validation --------------------------------------------------------
 
 
@@ -210,6 +228,10 @@ def serde_unexpected(value: Any) -> str:
     return "sequence" if isinstance(value, list) else "map"
 
 
+_I64 = (-(2**63), 2**63 - 1)
+_SEED_RANGE = (0, 2**63 - 1)
+
+
 def _check_type(key: str, value: Any) -> None:
     def wrong(expected: str) -> ContractError:
         return ContractError(f"invalid type: {serde_unexpected(value)}, expected {expected}")
@@ -218,9 +240,13 @@ def _check_type(key: str, value: Any) -> None:
         return
     if key in _INT_FIELDS and not _is_int(value):
         raise wrong("i64")
+    if key in _INT_FIELDS and not _I64[0] <= value <= _I64[1]:
+        raise ContractError(f"invalid value: {serde_unexpected(value)}, expected i64")
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key in _FLOAT_FIELDS and not number:
         raise wrong("f64")
+    if key in _FLOAT_FIELDS and not math.isfinite(value):
+        raise RequestError(f"sampling_params.{key}: expected a finite number, got {value}")
     if key in _BOOL_FIELDS and not isinstance(value, bool):
         raise wrong("a boolean")
     if key in _STR_FIELDS and not isinstance(value, str):
@@ -273,6 +299,15 @@ def parse_sampling_params(raw: Any, *, vocab_size: int) -> tuple[SamplingParams,
                 f"sampling_params.{key}={value!r} is not supported by agentrl's embedded server"
             )
     get = {k: v for k, v in raw.items() if v is not None}.get
+    seed = get("sampling_seed")
+    if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        raise RequestError(f"sampling_params.sampling_seed: expected 0 <= seed < 2**63, got {seed}")
+    stop_ids = get("stop_token_ids", ())
+    outside = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError(
+            f"sampling_params.stop_token_ids: expected ids in [0, {vocab_size}), got {outside[:3]}"
+        )
     top_k = get("top_k", -1)
     if top_k >= vocab_size:  # SGLang's "whole vocabulary" is 1 << 30
         top_k = -1
@@ -282,9 +317,9 @@ def parse_sampling_params(raw: Any, *, vocab_size: int) -> tuple[SamplingParams,
             temperature=float(get("temperature", 1.0)),
             top_p=float(get("top_p", 1.0)),
             top_k=top_k,
-            stop_token_ids=tuple(get("stop_token_ids", ())),
+            stop_token_ids=tuple(stop_ids),
             ignore_eos=get("ignore_eos", False),
-            seed=get("sampling_seed"),
+            seed=seed,
         )
     except ValueError as exc:
         raise RequestError(str(exc)) from exc

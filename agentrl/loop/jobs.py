@@ -46,6 +46,10 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
     bar.write(f"run directory: {trainer.run_dir}")
     summary = asyncio.run(trainer.run())
     bar.close()
+    if trainer.notice:
+        print(trainer.notice)
+    if summary.get("already_finished"):
+        return summary
     change = 100 * (summary["success_end"] - summary["success_start"])
     print(
         _table(
@@ -117,7 +121,51 @@ def add_rollout(subparsers: Any) -> None:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSONL file; trajectories are appended")
+    add_fault_flags(p)
     p.set_defaults(func=_cmd_rollout)
+
+
+# ---- faults (issue 20): the flags and the exit status of `agentrl rollout` --------------------
+
+
+def add_fault_flags(p: argparse.ArgumentParser) -> None:
+    """``--request-timeout``, ``--retry-s``, ``--env-timeout``, ``--max-failed-frac``."""
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds one generate call may take"
+    )
+    p.add_argument(
+        "--retry-s",
+        type=float,
+        default=60.0,
+        help="seconds a request waits for an endpoint to come back before its episode fails",
+    )
+    p.add_argument(
+        "--env-timeout", type=float, default=60.0, help="seconds one env reset/step/close may take"
+    )
+    p.add_argument(
+        "--max-failed-frac",
+        type=float,
+        default=0.0,
+        help="exit non-zero when more than this fraction of episodes failed (default 0)",
+    )
+
+
+def failure_rows(m: dict[str, float]) -> list[tuple[str, str]]:
+    """The summary table's failure lines: the total, then one line per cause that occurred."""
+    rows = [("failed", f"{int(m.get('rollout/failed', 0))}")]
+    prefix = "rollout/failed_"
+    rows += [
+        (f"  {key[len(prefix) :]}", f"{int(v)}")
+        for key, v in m.items()
+        if key.startswith(prefix) and v
+    ]
+    return rows
+
+
+def rollout_exit_code(m: dict[str, float], max_failed_frac: float) -> int:
+    """1 when more than ``max_failed_frac`` of the episodes failed (or none ran), else 0."""
+    n = m.get("rollout/episodes", 0.0)
+    return 0 if n and m.get("rollout/failed", 0.0) <= max_failed_frac * n else 1
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
@@ -139,7 +187,7 @@ async def _rollout(args: argparse.Namespace) -> int:
         tokenizer = (
             build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name)
         )
-        client = SGLangClient(args.endpoint)
+        client = SGLangClient(args.endpoint, timeout_s=args.request_timeout, retry_s=args.retry_s)
     else:
         from agentrl.inference.engine import LocalEngine
 
@@ -163,6 +211,7 @@ async def _rollout(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         concurrency=args.concurrency,
         seed=args.seed,
+        env_timeout_s=args.env_timeout,
     )
     engine = RolloutEngine(client, tokenizer, config)
     sink = JsonlSink(args.out, extra={"env_id": args.env_id})
@@ -186,11 +235,11 @@ async def _rollout(args: argparse.Namespace) -> int:
         ("episodes", f"{int(m['rollout/episodes'])}"),
         ("reward mean", f"{m.get('rollout/reward_mean', 0.0):.3f}"),
         ("success rate", f"{m.get('rollout/success_rate', 0.0):.3f}"),
-        ("failed", f"{int(m.get('rollout/failed', 0))}"),
+        *failure_rows(m),
         ("truncated", f"{m.get('rollout/truncated_frac', 0.0):.1%}"),
         ("wall time", f"{time.perf_counter() - t0:.1f} s"),
         ("written to", str(Path(args.out))),
     ]
     print(_table(rows))
     print(json.dumps({k: round(v, 6) for k, v in m.items()}))
-    return 0 if m.get("rollout/failed", 0) < m["rollout/episodes"] else 1
+    return rollout_exit_code(m, args.max_failed_frac)

@@ -32,6 +32,7 @@ from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop.cold_start import build_demonstrations, sft
 from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import load_policy, make_local_engine, on_side_stream, push_weights
+from agentrl.loop.resume import cut_logs, finished_summary, rng_state, set_rng_state, start_over
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task, Trajectory
@@ -55,32 +56,6 @@ def load_tasks(config: TrainConfig, split: str) -> list[Task]:
     return cls.sample_tasks(n, seed=config.seed, split=split, **config.env.task_kwargs)  # type: ignore[attr-defined]
 
 
-def _rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
-def _drop_lines_after(path: Path, step: int) -> None:
-    """Remove records of steps after ``step`` (written after the checkpoint we resume from)."""
-    if not path.exists():
-        return
-    keep = [
-        ln
-        for ln in path.read_text(encoding="utf-8").splitlines()
-        if ln.strip() and json.loads(ln).get("step", 0) <= step
-    ]
-    path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-
-
 class Trainer:
     """Runs a :class:`TrainConfig` end to end and writes its run directory.
 
@@ -101,10 +76,14 @@ class Trainer:
         self.on_step = on_step
         if resume and config.run_dir is None:
             raise ConfigError("run_dir: resume needs the run directory to continue")
+        if resume and not Path(config.run_dir or "").is_dir():
+            raise ConfigError(f"run_dir: resume needs an existing run directory: {config.run_dir}")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(config.run_dir or Path(config.out_dir) / f"{config.name}-{stamp}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.resume = resume
+        self.notice: str | None = None  # what a resume did, for the user (the CLI prints it)
+        self._checkpointed: int | None = None  # the step checkpointed last (each is written once)
         self.step = 0
         self.cursor = 0
         random.seed(config.seed)
@@ -154,9 +133,8 @@ class Trainer:
         if self.config.inference.endpoints:
             from agentrl.inference.client import SGLangClient
 
-            return SGLangClient(
-                self.config.inference.endpoints, timeout_s=self.config.inference.timeout_s
-            )
+            inference = self.config.inference
+            return SGLangClient(inference.endpoints, **inference.client_options())
         return make_local_engine(self.model, self.tokenizer, self.config)  # on the learner's card
 
     async def sync_weights(self) -> float:
@@ -347,29 +325,41 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        """Write a resumable checkpoint for the current step."""
+        """Write a resumable checkpoint for the current step (once: a second call is a no-op)."""
         path = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
+        if self._checkpointed == self.step:
+            return path
+        self._checkpointed = self.step
         path.mkdir(parents=True, exist_ok=True)
         self.learner.save_checkpoint(path)
         torch.save(
-            {"step": self.step, "cursor": self.cursor, "rng": _rng_state()},
+            {"step": self.step, "cursor": self.cursor, "rng": rng_state()},
             path / "trainer_state.pt",
         )
         (self.run_dir / "checkpoints" / "latest").write_text(path.name)
         return path
 
     async def load_checkpoint(self) -> bool:
-        """Restore the latest checkpoint of the run directory; False when there is none."""
+        """Restore the latest checkpoint of the run directory; False when there is none.
+
+        The logs are cut back to the checkpoint's step, so that the resumed run appends to
+        exactly what an uninterrupted run had written by then; with no checkpoint they are cut
+        to nothing (the run starts over) and :attr:`notice` says so.
+        """
         latest = self.run_dir / "checkpoints" / "latest"
         if not latest.exists():
+            self.notice = start_over(self.run_dir)
+            log.warning("%s", self.notice)
             return False
         path = self.run_dir / "checkpoints" / latest.read_text().strip()
         self.learner.load_checkpoint(path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step, self.cursor = state["step"], state["cursor"]
-        _set_rng_state(state["rng"])
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            _drop_lines_after(self.run_dir / name, self.step)
+        self._checkpointed = self.step
+        set_rng_state(state["rng"])
+        cut_logs(self.run_dir, self.step)
+        self.notice = f"resume: continuing {self.run_dir} from the checkpoint of step {self.step}"
+        log.info("%s", self.notice)
         await self.sync_weights()
         return True
 
@@ -418,8 +408,18 @@ class Trainer:
             yield await self.train_step()
 
     async def run(self) -> dict[str, Any]:
-        """Train for ``config.train.steps`` steps; returns (and writes) ``summary.json``."""
+        """Train for ``config.train.steps`` steps; returns (and writes) ``summary.json``.
+
+        Resuming a run that already finished changes nothing and returns its summary (with
+        ``"already_finished": True``); :attr:`notice` says so.
+        """
         t_start = time.perf_counter()
+        finished = finished_summary(self.run_dir, self.config.train.steps) if self.resume else None
+        if finished is not None:
+            await self.client.aclose()
+            self.notice = f"resume: {self.run_dir} already finished {finished['steps']} steps"
+            log.warning("%s; nothing to do", self.notice)
+            return {**finished, "already_finished": True}
         dump_config(self.config, self.run_dir / "config.yaml")
         try:
             return await self._run(t_start)

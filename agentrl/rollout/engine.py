@@ -20,22 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
+import itertools
 import logging
-import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO, cast
+from dataclasses import replace
+from typing import Any, Literal, Protocol, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.env import Env, StepResult
-from agentrl.errors import EnvError
+from agentrl.env import Env
+from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingParams
 from agentrl.rollout.chat import ChatTokenizer
-from agentrl.types import Group, Message, Task, Timing, Trajectory, TurnSpan
+from agentrl.rollout.episode import EpisodeState, checked_reset, checked_step, env_call
+from agentrl.rollout.records import JsonlSink, rollout_metrics
+from agentrl.types import Group, Message, Task, Trajectory
+
+__all__ = ["EnvFactory", "JsonlSink", "RolloutConfig", "RolloutEngine", "rollout_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,11 @@ class RolloutConfig(BaseModel):
     concurrency: int = Field(256, ge=1)
     """Episodes in flight at once."""
     episode_timeout_s: float = Field(600.0, gt=0)
-    """Wall time per episode; exceeding it truncates the episode (finish reason ``timeout``)."""
+    """Wall time per episode; exceeding it fails the episode (finish reason ``timeout``, failure
+    cause ``timeout``: it counts in ``rollout/failed``)."""
+    env_timeout_s: float | None = Field(60.0, gt=0)
+    """Wall time of one env call (``reset``, ``step`` or ``close``, sync or async); exceeding it
+    fails the episode with cause ``timeout``. ``None``: only the episode timeout applies."""
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
@@ -76,69 +83,6 @@ class RolloutConfig(BaseModel):
             top_k=self.top_k,
             ignore_eos=self.ignore_eos,
         )
-
-
-class JsonlSink:
-    """Appends each trajectory to a JSONL file as it finishes (flushed, so a crash loses none)."""
-
-    def __init__(self, path: str | os.PathLike[str], *, extra: dict[str, Any] | None = None):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.extra = extra or {}
-        self._f: TextIO | None = self.path.open("a", encoding="utf-8")
-
-    def write(self, traj: Trajectory, **fields: Any) -> None:
-        """Write one trajectory line (``extra`` and ``fields`` are added beside it)."""
-        if self._f is None:
-            raise ValueError(f"sink {self.path} is closed")
-        rec = {**self.extra, **fields, "trajectory": traj.model_dump(mode="json")}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        """Close the file (idempotent)."""
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-@dataclass(slots=True)
-class _Episode:
-    """Mutable state of one running episode (becomes a :class:`Trajectory` at the end)."""
-
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: list[TurnSpan] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
-    prompt_len: int = 0
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    finish_reason: str = ""
-    error: str | None = None
-    interruptions: int = 0
-    resumes: int = 0
-    timing: Timing = field(default_factory=Timing)
-
-    def append_observation(self, ids: list[int]) -> None:
-        n = len(self.tokens)
-        self.tokens += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-        self.turns.append(TurnSpan(kind="observation", start=n, end=len(self.tokens)))
-
-    def append_output(self, out: GenerateOutput) -> TurnSpan:
-        n = len(self.tokens)
-        self.tokens += out.output_ids
-        self.loss_mask += [1] * len(out.output_ids)
-        self.logprobs += out.logprobs
-        self.versions += out.versions
-        span = TurnSpan(kind="assistant", start=n, end=len(self.tokens))
-        self.turns.append(span)
-        return span
 
 
 EnvFactory = Callable[[], Env]
@@ -209,6 +153,8 @@ class RolloutEngine:
         self._at_gate = 0  # turns waiting at the closed gate to send a request
         self._epoch = 0  # bumped by every interrupt(); a request of an older epoch resumes
         self._paused = False
+        self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across engines and processes
+        self._attempts = itertools.count()
 
     def _text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -236,11 +182,15 @@ class RolloutEngine:
         group_index: int = 0,
         seed: int | None = None,
     ) -> Trajectory:
-        """Run one episode to its end; errors are recorded on the returned trajectory."""
-        ep = _Episode()
+        """Run one episode to its end; errors are recorded on the returned trajectory.
+
+        Its request ids are unique per call (``<task>#<index>@<seed>~<engine><n>``), so the
+        same task may be in flight any number of times, from any number of engines.
+        """
+        ep = EpisodeState()
         ep.timing.started_at = time.time()
         t0 = time.perf_counter()
-        episode_id = f"{task.id}#{group_index}@{seed}"
+        episode_id = f"{task.id}#{group_index}@{seed}~{self._tag}{next(self._attempts)}"
         rid: list[str | None] = [None]
         env: Env | None = None
         async with self._sem:
@@ -248,49 +198,35 @@ class RolloutEngine:
                 env = make_env()
                 async with asyncio.timeout(self.config.episode_timeout_s):
                     await self._loop(env, task, ep, episode_id, seed, rid)
-            except TimeoutError:
-                ep.truncated, ep.finish_reason = True, "timeout"
+            except TimeoutError as e:
+                if not str(e):
+                    e = TimeoutError(f"episode took longer than {self.config.episode_timeout_s} s")
+                ep.fail(e)
                 if rid[0] is not None:
                     await self._abort_quietly(rid[0])
             except Exception as e:  # a bad episode is data, not a crash
-                ep.error, ep.finish_reason = f"{type(e).__name__}: {e}", "error"
+                ep.fail(e)
                 log.debug("episode %s failed", episode_id, exc_info=True)
             finally:
                 if env is not None:
                     await self._close_quietly(env, ep)
         ep.timing.wall_s = time.perf_counter() - t0
-        return Trajectory(
-            task_id=task.id,
-            env_id=env_id,
-            group_index=group_index,
-            messages=ep.messages,
-            prompt_len=ep.prompt_len,
-            tokens=ep.tokens,
-            loss_mask=ep.loss_mask,
-            logprobs=ep.logprobs,
-            versions=ep.versions,
-            turns=ep.turns,
-            reward=ep.reward,
-            terminated=ep.terminated,
-            truncated=ep.truncated,
-            finish_reason=ep.finish_reason,
-            error=ep.error,
-            timing=ep.timing,
-            info={"interruptions": ep.interruptions, "resumes": ep.resumes},
-        )
+        return ep.trajectory(task_id=task.id, env_id=env_id, group_index=group_index)
 
     async def _loop(
         self,
         env: Env,
         task: Task,
-        ep: _Episode,
+        ep: EpisodeState,
         episode_id: str,
         seed: int | None,
         rid: list[str | None],
     ) -> None:
         cfg = self.config
         t = time.perf_counter()
-        first, _ = await env.reset(task, seed=seed)
+        first = checked_reset(
+            await env_call("reset", env.reset(task, seed=seed), cfg.env_timeout_s)
+        )
         ep.timing.env_s += time.perf_counter() - t
         ep.messages += first
         ep.tokens = self.chat.prompt_ids(first)
@@ -317,12 +253,12 @@ class RolloutEngine:
             said = action if reasoning is None else f"<think>\n{reasoning}\n</think>\n\n{action}"
             ep.messages.append(Message(role="assistant", content=said))
             if out.finish_reason == "abort":
-                raise EnvError(f"generation aborted by the server ({out.rid})")
+                raise ServerError(
+                    "generation aborted by the server", endpoint=out.endpoint, rid=out.rid
+                )
             t = time.perf_counter()
-            result = await env.step(action)
+            result = checked_step(await env_call("step", env.step(action), cfg.env_timeout_s))
             ep.timing.env_s += time.perf_counter() - t
-            if not isinstance(result, StepResult):
-                raise EnvError(f"step() returned {type(result).__name__}, expected StepResult")
             span.reward, span.info = result.reward, dict(result.info)
             if reasoning is not None:
                 span.info["reasoning"] = reasoning
@@ -341,7 +277,7 @@ class RolloutEngine:
 
     async def _generate_turn(
         self,
-        ep: _Episode,
+        ep: EpisodeState,
         params: SamplingParams,
         turn_id: str,
         session_id: str,
@@ -449,12 +385,12 @@ class RolloutEngine:
         except Exception:
             log.debug("abort of %s failed", rid, exc_info=True)
 
-    async def _close_quietly(self, env: Env, ep: _Episode) -> None:
+    async def _close_quietly(self, env: Env, ep: EpisodeState) -> None:
+        """``env.close()`` under ``env_timeout_s``; a failure fails the episode (if nothing had)."""
         try:
-            await env.close()
+            await env_call("close", env.close(), self.config.env_timeout_s)
         except Exception as e:
-            if ep.error is None:
-                ep.error, ep.finish_reason = f"{type(e).__name__} in close(): {e}", "error"
+            ep.fail(e, where=" in close()")
 
     async def stream_groups(
         self,
@@ -516,25 +452,3 @@ class RolloutEngine:
             )
         ]
         return sorted(groups, key=lambda grp: order.get(id(grp.task), 0))
-
-
-def rollout_metrics(groups: Sequence[Group], *, success_threshold: float = 1.0) -> dict[str, float]:
-    """Namespaced summary metrics of a batch of groups (``rollout/...``)."""
-    trajs = [t for grp in groups for t in grp.trajectories]
-    if not trajs:
-        return {"rollout/episodes": 0.0}
-    n = len(trajs)
-    rewards = [t.reward for t in trajs]
-    mean = sum(rewards) / n
-    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
-    return {
-        "rollout/episodes": float(n),
-        "rollout/reward_mean": mean,
-        "rollout/reward_std": std,
-        "rollout/success_rate": sum(r >= success_threshold for r in rewards) / n,
-        "rollout/failed": float(sum(t.failed for t in trajs)),
-        "rollout/truncated_frac": sum(t.truncated for t in trajs) / n,
-        "rollout/response_len_mean": sum(t.num_response_tokens for t in trajs) / n,
-        "rollout/turns_mean": sum(len(t.turn_rewards) for t in trajs) / n,
-        "rollout/generate_s_mean": sum(t.timing.generate_s for t in trajs) / n,
-    }

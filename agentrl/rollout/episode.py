@@ -1,0 +1,219 @@
+"""One episode's state, and the boundary between the rollout engine and an env.
+
+Everything an env hands back is checked here before the engine uses it: ``reset`` must return
+``(messages, info)`` and ``step`` a :class:`StepResult` whose observation is a list of well-formed
+:class:`Message` objects, whose reward is a finite number, whose flags are booleans and whose
+``info`` is a JSON-serialisable dict. Anything else is an :class:`EnvError` on that episode only,
+as an exception raised by the env is, so one bad env never costs the batch.
+
+Every env call (``reset``, ``step``, ``close``; synchronous envs run in a worker thread) runs
+under ``env_timeout_s`` besides the episode's own timeout. A failed episode carries its cause
+(:data:`FAILURE_CAUSES`) in ``trajectory.info["failure"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Literal, TypeVar
+
+from pydantic import ValidationError
+
+from agentrl.env import StepResult
+from agentrl.errors import EnvError, ServerError
+from agentrl.inference.base import GenerateOutput
+from agentrl.types import Message, Timing, Trajectory, TurnSpan
+
+T = TypeVar("T")
+
+FailureCause = Literal["timeout", "env", "server", "other"]
+FAILURE_CAUSES: tuple[FailureCause, ...] = ("timeout", "env", "server", "other")
+"""Why an episode failed: a timeout (the episode's or an env call's), the env (it raised or
+returned something malformed), the inference server, or anything else."""
+
+
+class EnvTimeout(TimeoutError):
+    """An env call (``reset``/``step``/``close``) ran past ``env_timeout_s``."""
+
+
+class EnvRaised(EnvError):
+    """An env call raised ``original``; the episode records the original exception."""
+
+    def __init__(self, original: Exception) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+@dataclass(slots=True)
+class EpisodeState:
+    """Mutable state of one running episode (becomes a :class:`Trajectory` at the end)."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[TurnSpan] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    prompt_len: int = 0
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    finish_reason: str = ""
+    error: str | None = None
+    failure: FailureCause | None = None
+    interruptions: int = 0
+    resumes: int = 0
+    timing: Timing = field(default_factory=Timing)
+
+    def append_observation(self, ids: list[int]) -> None:
+        """Append env/tool tokens (loss mask 0, no log-prob, version -1)."""
+        n = len(self.tokens)
+        self.tokens += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.turns.append(TurnSpan(kind="observation", start=n, end=len(self.tokens)))
+
+    def append_output(self, out: GenerateOutput) -> TurnSpan:
+        """Append one assistant turn's sampled tokens; returns its span."""
+        n = len(self.tokens)
+        self.tokens += out.output_ids
+        self.loss_mask += [1] * len(out.output_ids)
+        self.logprobs += out.logprobs
+        self.versions += out.versions
+        span = TurnSpan(kind="assistant", start=n, end=len(self.tokens))
+        self.turns.append(span)
+        return span
+
+    def fail(self, exc: BaseException, *, where: str = "") -> None:
+        """Record ``exc`` as this episode's error (the first one wins)."""
+        if self.error is not None:
+            return
+        cause = failure_cause(exc)
+        shown = exc.original if isinstance(exc, EnvRaised) else exc
+        self.error = f"{type(shown).__name__}{where}: {shown}"
+        self.failure = cause
+        self.finish_reason = "timeout" if cause == "timeout" else "error"
+        self.truncated = self.truncated or cause == "timeout"
+
+    def trajectory(self, *, task_id: str, env_id: str, group_index: int) -> Trajectory:
+        """The finished :class:`Trajectory` (a failed, empty one if the state cannot validate)."""
+        info: dict[str, Any] = {"interruptions": self.interruptions, "resumes": self.resumes}
+        if self.failure is not None:
+            info["failure"] = self.failure
+        fields: dict[str, Any] = dict(
+            task_id=task_id,
+            env_id=env_id,
+            group_index=group_index,
+            messages=self.messages,
+            prompt_len=self.prompt_len,
+            tokens=self.tokens,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            turns=self.turns,
+            reward=self.reward,
+            terminated=self.terminated,
+            truncated=self.truncated,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            timing=self.timing,
+            info=info,
+        )
+        try:
+            return Trajectory(**fields)
+        except ValidationError as exc:  # defence in depth: the batch must survive any episode
+            info["failure"] = self.failure or "other"
+            return Trajectory(
+                task_id=task_id,
+                env_id=env_id,
+                group_index=group_index,
+                finish_reason="error",
+                error=self.error or f"InvalidTrajectory: {exc.errors()[0]['msg']}",
+                timing=self.timing,
+                info=info,
+            )
+
+
+def failure_cause(exc: BaseException) -> FailureCause:
+    """The :data:`FAILURE_CAUSES` entry for an exception that ended an episode."""
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, ServerError):
+        return "server"
+    if isinstance(exc, EnvError):
+        return "env"
+    return "other"
+
+
+async def env_call(what: str, call: Awaitable[T], timeout_s: float | None) -> T:
+    """Await one env call under ``timeout_s``; an exception it raises becomes an env failure."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except TimeoutError:
+        raise EnvTimeout(f"env {what}() took longer than env_timeout_s={timeout_s}") from None
+    except (EnvError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        raise EnvRaised(exc) from exc
+
+
+def _message(value: Any, where: str) -> Message:
+    raw = value.model_dump(warnings=False) if isinstance(value, Message) else value
+    try:
+        return Message.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        why = f"not a valid Message ({loc}: {first['msg']})"
+        raise EnvError(f"{where}: {why}: {value!r:.200}") from None
+
+
+def _messages(value: Any, where: str) -> list[Message]:
+    if not isinstance(value, (list, tuple)):
+        raise EnvError(f"{where}: expected a list of Message, got {type(value).__name__}")
+    return [_message(m, f"{where}[{i}]") for i, m in enumerate(value)]
+
+
+def _json_dict(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise EnvError(f"{where}: expected a dict, got {type(value).__name__}")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise EnvError(f"{where}: not JSON-serialisable ({exc})") from None
+    return value
+
+
+def checked_reset(out: Any) -> list[Message]:
+    """The first messages of a ``reset`` return, validated (``(messages, info)``)."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise EnvError(f"reset() returned {type(out).__name__}, expected (messages, info)")
+    messages = _messages(out[0], "reset() messages")
+    if not messages:
+        raise EnvError("reset() returned no messages")
+    return messages
+
+
+def checked_step(result: Any) -> StepResult:
+    """A well-formed copy of a ``step`` return, or :class:`EnvError` saying what is wrong."""
+    if not isinstance(result, StepResult):
+        raise EnvError(f"step() returned {type(result).__name__}, expected StepResult")
+    reward = result.reward
+    if not isinstance(reward, Real) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise EnvError(f"step() reward: expected a finite number, got {reward!r:.100}")
+    flags = (result.terminated, result.truncated)
+    if not all(f in (True, False) for f in flags):
+        raise EnvError(f"step() terminated/truncated: expected booleans, got {flags!r:.100}")
+    return StepResult(
+        observation=_messages(result.observation, "step() observation"),
+        reward=float(reward),
+        terminated=bool(result.terminated),
+        truncated=bool(result.truncated),
+        info=_json_dict(result.info, "step() info"),
+    )

@@ -1,0 +1,341 @@
+"""Fault scenarios replayed end to end: nothing lost, nothing duplicated, nothing hung (issue 20).
+
+Real parts only: ``agentrl serve --model tiny`` subprocesses on loopback, real SIGKILL / SIGSTOP,
+real ``agentrl train`` subprocesses killed and resumed. Per scenario it prints the units
+expected (episodes, or logged training steps), written, duplicated, lost, failed by cause, and
+whether it hung; the last line is JSON ``{"scenarios", "lost", "duplicated", "hung", ...}``.
+
+    python benchmarks/faults.py [--tasks 16] [--group-size 4] [--skip-resume]
+
+Failed episodes are written (as error records), so they are not lost: a scenario loses an
+episode only if no record of it reaches the JSONL file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentrl.env import Env, StepResult, make
+from agentrl.inference.client import SGLangClient
+from agentrl.rollout.engine import JsonlSink, RolloutConfig, RolloutEngine
+from agentrl.tiny import build_tiny_tokenizer
+
+HANG_S = 240.0  # a scenario still running after this has hung
+
+
+class Server:
+    """One ``agentrl serve --model tiny`` subprocess on a loopback port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", "tiny"]
+        cmd += ["--port", str(self.port), "--torch-threads", "1", "--log-level", "ERROR"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def wait_ready(self, timeout_s: float = 120.0) -> Server:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"{self.url} never became healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Faulty(Env):
+    """``arith-v0``, except that every ``every``-th task misbehaves in the way ``mode`` names."""
+
+    def __init__(self, mode: str, every: int = 4) -> None:
+        self.inner, self.mode, self.every, self.bad = make("arith-v0"), mode, every, False
+
+    async def reset(self, task, *, seed=None):
+        self.bad = int(task.id.rsplit("-", 1)[1]) % self.every == 0
+        return await self.inner.reset(task, seed=seed)
+
+    async def step(self, action):
+        if self.bad and self.mode == "raise":
+            raise RuntimeError("env bug")
+        if self.bad and self.mode == "garbage":
+            return StepResult("not a list of messages", reward=None)  # type: ignore[arg-type]
+        if self.bad and self.mode == "hang_step":
+            await asyncio.sleep(1e6)
+        return await self.inner.step(action)
+
+    async def close(self):
+        if self.bad and self.mode == "hang_close":
+            await asyncio.sleep(1e6)
+        await self.inner.close()
+
+
+def count(path: Path, expected: set[tuple[str, int]]) -> dict[str, Any]:
+    """Written / duplicated / lost episodes and failures by cause, from the JSONL file."""
+    seen: collections.Counter[tuple[str, int]] = collections.Counter()
+    causes: collections.Counter[str] = collections.Counter()
+    for line in path.read_text().splitlines():
+        t = json.loads(line)["trajectory"]
+        seen[t["task_id"], t["group_index"]] += 1
+        if t["error"] is not None:
+            causes[t["info"].get("failure", "other")] += 1
+    return {
+        "expected": len(expected),
+        "written": sum(seen.values()),
+        "duplicated": sum(n - 1 for n in seen.values() if n > 1),
+        "lost": len(expected - set(seen)),
+        "failed": dict(causes),
+    }
+
+
+async def rollout_scenario(
+    out: Path,
+    endpoints: list[str],
+    env_mode: str | None,
+    args: argparse.Namespace,
+    fault: Callable[[], Awaitable[None]] | None = None,
+) -> dict[str, Any]:
+    generated = make("arith-v0").sample_tasks(args.tasks, seed=1)  # type: ignore[attr-defined]
+    tasks = [t.model_copy(update={"id": f"t-{i}"}) for i, t in enumerate(generated)]
+    cfg = RolloutConfig(
+        group_size=args.group_size,
+        max_turns=1,
+        max_new_tokens=128,
+        max_total_tokens=320,
+        ignore_eos=True,
+        env_timeout_s=2.0,
+        episode_timeout_s=120.0,
+    )
+    client = SGLangClient(endpoints, retry_s=90.0, stall_s=3.0, health_timeout_s=3.0)
+    sink = JsonlSink(out)
+    engine = RolloutEngine(client, build_tiny_tokenizer(), cfg)
+
+    async def run() -> None:
+        job = asyncio.ensure_future(
+            engine.run_groups(lambda: Faulty(env_mode or "none"), tasks, sink=sink)
+        )
+        if fault is not None:
+            await fault()
+            at_fault.append(len(out.read_text().splitlines()))
+        await job
+
+    hung = False
+    at_fault: list[int] = []
+    try:
+        await asyncio.wait_for(run(), HANG_S)
+    except TimeoutError:
+        hung = True
+    finally:
+        sink.close()
+        await client.aclose()
+    expected = {(t.id, g) for t in tasks for g in range(args.group_size)}
+    result = {**count(out, expected), "hung": hung}
+    if at_fault:  # the fault hit mid-batch only if episodes were still running then
+        result["failed"]["(done when fault hit)"] = at_fault[0]
+    return result
+
+
+def _after(delay_s: float, action: Callable[[], Any]) -> Callable[[], Awaitable[None]]:
+    async def fault() -> None:
+        await asyncio.sleep(delay_s)
+        await asyncio.to_thread(action)
+
+    return fault
+
+
+async def server_scenarios(tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    a, b = Server(), Server()
+    a.wait_ready(), b.wait_ready()
+    try:
+        for mode in ("raise", "garbage", "hang_step", "hang_close"):
+            results[f"env {mode}"] = await rollout_scenario(
+                tmp / f"{mode}.jsonl", [a.url], mode, args
+            )
+        results["server killed"] = await rollout_scenario(
+            tmp / "killed.jsonl", [a.url, b.url], None, args, _after(1.0, b.stop)
+        )
+        b = Server()
+        b.wait_ready()
+        results["server frozen"] = await rollout_scenario(
+            tmp / "frozen.jsonl",
+            [a.url, b.url],
+            None,
+            args,
+            _after(1.0, lambda: b.proc.send_signal(signal.SIGSTOP)),
+        )
+        b.stop()
+
+        def restart() -> None:
+            nonlocal a
+            port = a.port
+            a.stop()
+            time.sleep(2.0)  # requests fail to connect meanwhile: the retry window holds them
+            a = Server(port)
+
+        results["server restarted"] = await rollout_scenario(
+            tmp / "restarted.jsonl", [a.url], None, args, _after(1.0, restart)
+        )
+    finally:
+        a.stop()
+        b.stop()
+    return results
+
+
+# ---- kill and resume ---------------------------------------------------------------------------
+
+
+def train_config(run_dir: Path) -> dict[str, Any]:
+    return {
+        "run_dir": str(run_dir),
+        "seed": 3,
+        "env": {"id": "arith-v0", "task_kwargs": {"digits": 1}, "num_eval_tasks": 8},
+        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
+        "cold_start": {"steps": 20, "lr": 2e-3, "batch_size": 16},
+        "learner": {"lr": 1e-4},
+        "train": {"steps": 4, "tasks_per_step": 4, "eval_every": 0, "checkpoint_every": 2,
+                  "max_staleness": 0},
+    }  # fmt: skip
+
+
+def train(run_dir: Path, resume: bool, kill_when: Callable[[Path], bool] | None) -> str:
+    """Run ``agentrl train``; SIGKILL it once ``kill_when(run_dir)``: "killed", "ok", "error"
+    or "hung"."""
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(yaml.safe_dump(train_config(run_dir)))
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", str(config)]
+    cmd += ["--resume"] if resume else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + HANG_S
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return "hung"
+        if kill_when is not None and kill_when(run_dir):
+            proc.kill()
+            proc.wait()
+            return "killed"
+        time.sleep(0.02)
+    return "ok" if proc.returncode == 0 else "error"
+
+
+def logged_steps(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
+    return [r for r in lines if "rollout/reward_mean" in r]
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return (run_dir / "checkpoints" / "latest").exists()
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    skip = ("time", "perf/", "rollout/generate_s")
+    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in logged_steps(run_dir)]
+
+
+def resume_scenarios(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Kill ``agentrl train`` at each phase, resume it, compare with an uninterrupted run."""
+    ref = tmp / "reference"
+    train(ref, False, None)
+    want = _steps(ref)
+    phases: dict[str, Callable[[Path], bool] | None] = {
+        "kill in cold start": lambda d: (
+            (d / "config.yaml").exists() and not (d / "summary_state.json").exists()
+        ),
+        "kill before 1st checkpoint": lambda d: len(logged_steps(d)) >= 1,
+        "kill after a checkpoint": lambda d: len(logged_steps(d)) >= 3 and has_checkpoint(d),
+        "resume a finished run": None,
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for name, when in phases.items():
+        run_dir = tmp / name.replace(" ", "_")
+        first = train(run_dir, False, when)
+        log = run_dir / "metrics.jsonl"
+        before = log.read_text() if log.exists() else ""
+        second = train(run_dir, True, None)
+        got = _steps(run_dir)
+        steps = collections.Counter(r["step"] for r in got)
+        failed: dict[str, int] = {}
+        if got != want:
+            failed["not_bitwise_equal"] = 1
+        if second != "ok":
+            failed[f"resume_{second}"] = 1
+        if when is None and log.read_text() != before:
+            failed["finished_run_changed"] = 1
+        results[name] = {
+            "expected": len(want),
+            "written": len(got),
+            "duplicated": sum(n - 1 for n in steps.values() if n > 1),
+            "lost": len({r["step"] for r in want} - set(steps)),
+            "failed": failed,
+            "hung": "hung" in (first, second),
+        }
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--skip-resume", action="store_true")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="agentrl-faults-") as tmp:
+        results = asyncio.run(server_scenarios(Path(tmp), args))
+        if not args.skip_resume:
+            results.update(resume_scenarios(Path(tmp)))
+    print(f"{'scenario':<28} {'expected':>8} {'written':>8} {'dup':>4} {'lost':>4}  hung  failed")
+    for name, r in results.items():
+        failed = ", ".join(f"{k} {v}" for k, v in sorted(r["failed"].items())) or "-"
+        print(f"{name:<28} {r['expected']:>8} {r['written']:>8} {r['duplicated']:>4} "
+              f"{r['lost']:>4}  {'yes' if r['hung'] else 'no':<4}  {failed}")  # fmt: skip
+    summary = {
+        "scenarios": len(results),
+        "lost": sum(r["lost"] for r in results.values()),
+        "duplicated": sum(r["duplicated"] for r in results.values()),
+        "hung": sum(bool(r["hung"]) for r in results.values()),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores (CPU, loopback)",
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
