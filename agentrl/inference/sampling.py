@@ -39,6 +39,15 @@ def row_key(seed: int, step: int) -> int:
     return _mix_int(_mix_int(seed) ^ _mix_int((seed >> 32) + 0x9E3779B9 * (step + 1)))
 
 
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """:func:`row_key` of int64 tensors ``seeds`` and ``steps``, elementwise (no per-row Python).
+
+    Products wrap in int64 but keep their low 32 bits, which is all the masked mix reads.
+    """
+    hi = ((seeds >> 32) + 0x9E3779B9 * (steps + 1)) & _M32
+    return _mix_tensor(_mix_tensor(seeds & _M32) ^ _mix_tensor(hi))
+
+
 def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
     """:func:`_mix_int` on an int64 tensor of 32-bit values (products wrap, then are masked)."""
     x = x ^ (x >> 16)
