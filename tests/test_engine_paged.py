@@ -20,6 +20,7 @@ import torch
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
 from agentrl.inference.kv_cache import PagedKVCache, page_bytes
+from agentrl.inference.sampling import row_key, row_keys, sample, sample_reference
 
 TOL = 1e-4
 LEARNER_TOL = 3e-2
@@ -168,6 +169,28 @@ def _qwen3(layers: int, dtype: torch.dtype = torch.float32) -> Any:
     torch.manual_seed(0)
     with torch.device("cuda"):
         return Qwen3ForCausalLM(Qwen3Config(**shape, eos_token_id=1, pad_token_id=0)).to(dtype)
+
+
+def test_vectorised_noise_keys_equal_the_per_row_keys():
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.randint(0, 2**63 - 1, (500,), generator=gen)
+    steps = torch.randint(0, 100_000, (500,), generator=gen)
+    want = [row_key(a, b) for a, b in zip(seeds.tolist(), steps.tolist(), strict=True)]
+    assert row_keys(seeds, steps).tolist() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_vocabulary_sampler_equals_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 151_936, generator=gen) * 3).cuda()
+    inv_t = torch.tensor([1.0, 1 / 0.7, 1.0] * 12 + [1.0]).cuda()
+    greedy = (torch.arange(37) % 5 == 0).cuda()
+    keys = torch.randint(0, 2**32, (37,), generator=gen).cuda()
+    tokens, logprobs = sample(logits, inv_t, greedy, keys)
+    ref_tokens, ref_logprobs = sample_reference(logits, inv_t, greedy, keys)
+    assert tokens.tolist() == ref_tokens.tolist()
+    assert (logprobs - ref_logprobs).abs().max().item() < 1e-5
 
 
 @pytest.mark.gpu

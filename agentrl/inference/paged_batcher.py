@@ -25,7 +25,7 @@ from agentrl.errors import ServerError
 from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
 from agentrl.inference.paged_runner import PagedRunner
-from agentrl.inference.sampling import row_key, sample
+from agentrl.inference.sampling import row_keys, sample
 
 DEFAULT_KV_CACHE_FRAC = 0.5
 """Paged path on CUDA: share of the free GPU memory the KV cache takes by default."""
@@ -189,58 +189,70 @@ class PagedBatcher(Batcher):
         runner, size = self.paged, self.paged.page_size
         with torch.inference_mode():
             if self._table:
-                rows, cols, pages = zip(*self._table, strict=True)
-                index = torch.tensor([rows, cols], dtype=torch.int64).to(runner.device)
-                value = torch.tensor(pages, dtype=torch.int32).to(runner.device)
-                runner.block_table[index[0], index[1]] = value
+                table = torch.tensor(self._table, dtype=torch.int64).t().to(runner.device)
+                runner.block_table[table[0], table[1]] = table[2].int()  # (row, i, page)
                 self._table = []
-            logits = []
+            reqs = plan.decode + plan.admit
+            meta = step_meta(reqs, len(plan.decode), size)
+            sampled = []
             if plan.decode:
-                pos = [r.kv_len for r in plan.decode]
-                logits.append(
-                    runner.decode(
-                        [r.output_ids[-1] for r in plan.decode],  # sampled, not yet fed
-                        pos,
-                        [
-                            r.pages[p // size] * size + p % size
-                            for r, p in zip(plan.decode, pos, strict=True)
-                        ],
-                        [r.row for r in plan.decode],
-                    )
-                )
+                logits, out = runner.decode(meta[:, : len(plan.decode)])
+                if any(r.params.truncates for r in plan.decode):  # the graph does not truncate
+                    out = _sample(logits, meta[:, : len(plan.decode)], plan.decode)
+                sampled.append(out)
             if plan.admit:
                 seqs = [r.prompt + r.output_ids for r in plan.admit]
-                logits.append(
-                    runner.prefill(
-                        [r.row for r in plan.admit],
-                        [r.kv_len for r in plan.admit],
-                        seqs,
-                        [r.pages for r in plan.admit],
-                    )
+                logits = runner.prefill(
+                    [r.row for r in plan.admit],
+                    [r.kv_len for r in plan.admit],
+                    seqs,
+                    [r.pages for r in plan.admit],
                 )
-            reqs = plan.decode + plan.admit
-            temps = [r.params.temperature for r in reqs]
-            floats = torch.tensor(
-                [[1.0 / t if t > 0 else 1.0 for t in temps], [float(t <= 0) for t in temps]],
-                dtype=torch.float32,
-            ).to(runner.device)
-            keys = torch.tensor(
-                [row_key(r.seed, len(r.output_ids)) for r in reqs], dtype=torch.int64
-            ).to(runner.device)
-            top_k = top_p = None
-            if any(r.params.truncates for r in reqs):
-                top_k = torch.tensor([r.params.top_k for r in reqs], device=runner.device)
-                top_p = torch.tensor(
-                    [r.params.top_p for r in reqs], dtype=torch.float32, device=runner.device
-                )
-            all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
-            tokens, logprobs = sample(all_logits, floats[0], floats[1].bool(), keys, top_k, top_p)
+                sampled.append(_sample(logits, meta[:, len(plan.decode) :], plan.admit))
             for req in plan.decode:
                 req.kv_len += 1
-            for req, seq in zip(plan.admit, seqs if plan.admit else [], strict=True):
-                req.kv_len = len(seq)
-            out = torch.stack([tokens.double(), logprobs.double()]).tolist()
-            return [int(t) for t in out[0]], out[1]
+            for req in plan.admit:
+                req.kv_len = len(req.prompt) + len(req.output_ids)
+            both = (sampled[0] if len(sampled) == 1 else torch.cat(sampled, dim=1)).tolist()
+            return [int(t) for t in both[0]], both[1]
+
+
+def step_meta(reqs: list[Request], n_decode: int, page_size: int) -> torch.Tensor:
+    """``(7, len(reqs))`` int64 :data:`~agentrl.inference.paged_runner.DECODE_META` of a step.
+
+    The first ``n_decode`` requests decode (they feed their last sampled token at position
+    ``kv_len``); the others join (only their sampling columns are read).
+    """
+    cols = []
+    for i, r in enumerate(reqs):
+        if i < n_decode:
+            p = r.kv_len
+            slot = r.pages[p // page_size] * page_size + p % page_size
+            cols.append((r.output_ids[-1], p, slot, r.row, r.seed, len(r.output_ids)))
+        else:
+            cols.append((0, 0, 0, r.row, r.seed, len(r.output_ids)))
+    meta = torch.tensor(cols, dtype=torch.int64).t()
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float64)
+    greedy = temps <= 0
+    inv_t = torch.where(greedy, 1.0, 1.0 / temps).float()  # float32(1 / T), as the head's
+    sampling = torch.stack(
+        [row_keys(meta[4], meta[5]), inv_t.view(torch.int32).long(), greedy.long()]
+    )
+    return torch.cat([meta[:4], sampling])
+
+
+def _sample(logits: torch.Tensor, meta: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Sample ``logits`` eagerly with the sampling rows of ``meta``: ``(2, B)`` float64."""
+    m = meta[4:].to(logits.device)
+    inv_t = m[1].to(torch.int32).view(torch.float32)
+    top_k = top_p = None
+    if any(r.params.truncates for r in reqs):
+        top_k = torch.tensor([r.params.top_k for r in reqs], device=logits.device)
+        top_p = torch.tensor(
+            [r.params.top_p for r in reqs], dtype=torch.float32, device=logits.device
+        )
+    tokens, logprobs = sample(logits, inv_t, m[2].bool(), m[0], top_k, top_p)
+    return torch.stack([tokens.double(), logprobs.double()])
 
 
 def build_paged(

@@ -9,7 +9,9 @@
   kept as fused ``compute_dtype`` copies, refreshed in place by :meth:`refresh_weights`.
 - **CUDA graphs.** A decode step (embedding, every layer, KV write, paged attention, head) is
   captured once per batch-size bucket on first use and replayed: static input buffers, one
-  copy of the step's metadata to the device, one graph launch. Rows of a bucket past the batch
+  (pinned) copy of the step's metadata to the device, one graph launch, which also samples the
+  next tokens (:func:`~agentrl.inference.sampling.sample`), so a step reads back ``(2, B)``
+  numbers, not the logits. Rows of a bucket past the batch
   write to the scratch page and are ignored.
 - Prefill runs eagerly on the packed new tokens of every joining sequence (cached prefixes are
   not recomputed) and keeps the logits of each sequence's last token.
@@ -25,10 +27,14 @@ import torch.nn.functional as F
 
 from agentrl.inference.kv_cache import PagedKVCache
 from agentrl.inference.paged_attention import QueryBlocks, paged_attention, tile_rows
+from agentrl.inference.sampling import sample
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.packed_body import _rms_norm, _rotate_half, unsupported_reason
 
 PREFILL_TOKENS_PER_BLOCK = 32
+DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy")
+"""Rows of a decode step's metadata, one int64 column per sequence (one host-to-device copy)."""
+_ONE_BITS = int(torch.tensor(1.0).view(torch.int32))  # float32 1.0 as int bits (padded rows)
 
 
 def _pre(
@@ -147,8 +153,9 @@ class PagedRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
         self.buckets.append(max_batch_size)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._static: torch.Tensor | None = None  # (4, max_batch): ids, pos, slots, rows
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._static: torch.Tensor | None = None  # (7, max_batch) int64: DECODE_META
+        self._host = self._pad = torch.empty(0, dtype=torch.int64)
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -267,36 +274,49 @@ class PagedRunner:
         hidden = self._forward(meta[0], meta[1], meta[2], blocks)
         return self._logits(hidden[torch.tensor(last, device=self.device)])
 
-    def _decode_body(self, n: int) -> torch.Tensor:
+    def _decode_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
         assert self._static is not None
-        ids, pos, slots, rows = self._static[:, :n]
+        ids, pos, slots, rows, keys, inv_t, greedy = self._static[:, :n]
         arange = torch.arange(n, device=self.device)
         blocks = QueryBlocks(rows, arange, torch.ones_like(arange), tile_rows(self.group, 1))
-        return self._logits(self._forward(ids, pos, slots, blocks))
+        logits = self._logits(self._forward(ids, pos, slots, blocks))
+        inv_t = inv_t.to(torch.int32).view(torch.float32)  # float32 bits, carried as int64
+        tokens, logprobs = sample(logits, inv_t, greedy.bool(), keys)
+        return logits, torch.stack([tokens.double(), logprobs.double()])
 
-    def decode(
-        self, ids: list[int], pos: list[int], slots: list[int], rows: list[int]
-    ) -> torch.Tensor:
-        """Next-token logits ``(B, V)`` after feeding one token per sequence."""
-        n = len(ids)
+    def decode(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per sequence and sample the next: logits ``(B, V)``, sampled ``(2, B)``.
+
+        Args:
+            meta: ``(7, B)`` CPU int64 rows (:data:`DECODE_META`): the fed token, its position,
+                its KV slot, the block-table row, the sampling noise key, ``1 / T`` as float32
+                bits and the greedy flag. Copied to the device in one transfer; sampling is
+                part of the captured graph.
+        """
+        n = meta.shape[1]
         if self._static is None:
             self._static = torch.zeros(
-                4, self.max_batch_size, dtype=torch.int64, device=self.device
+                len(DECODE_META), self.max_batch_size, dtype=torch.int64, device=self.device
+            )
+            self._host = torch.empty(
+                self._static.shape, dtype=torch.int64, pin_memory=self.cuda_graphs
+            )
+            self._pad = torch.tensor(
+                [[0], [0], [0], [self.scratch_row], [0], [_ONE_BITS], [1]], dtype=torch.int64
             )
         bucket = next(b for b in self.buckets if b >= n) if self.cuda_graphs else n
-        pad = bucket - n
-        host = torch.tensor(
-            [ids + [0] * pad, pos + [0] * pad, slots + [0] * pad, rows + [self.scratch_row] * pad],
-            dtype=torch.int64,
-        )
-        self._static[:, :bucket].copy_(host, non_blocking=False)
+        host = self._host[:, :bucket]
+        host[:, :n] = meta
+        host[:, n:] = self._pad
+        self._static[:, :bucket].copy_(host, non_blocking=True)
         if not self.cuda_graphs:
             return self._decode_body(n)
         if bucket not in self._graphs:
             self._capture(bucket)
-        graph, out = self._graphs[bucket]
+        graph, logits, sampled = self._graphs[bucket]
         graph.replay()
-        return out[:n]
+        return logits[:n], sampled[:, :n]
 
     def _capture(self, bucket: int) -> None:
         """Capture the decode step of ``bucket`` rows (after warm-up runs on a side stream)."""
@@ -306,14 +326,13 @@ class PagedRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             # warm-up with every row on the scratch page: no real sequence's cache is written
-            self._static[:, :bucket] = 0
-            self._static[3, :bucket] = self.scratch_row
+            self._static[:, :bucket] = self._pad.to(self.device)
             for _ in range(2):
                 self._decode_body(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = self._decode_body(bucket)
-        self._graphs[bucket] = (graph, out)
+            logits, sampled = self._decode_body(bucket)
+        self._graphs[bucket] = (graph, logits, sampled)
         self._static[:, :bucket] = saved

@@ -182,9 +182,13 @@ class DistributedWeightPush:
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 err = errors[0]
-                raise err if isinstance(err, ServerError) else ServerError(
-                    f"weight broadcast failed at bucket {k + 1}/{len(parts)}: {err}",
-                    endpoint="trainer",
+                raise (
+                    err
+                    if isinstance(err, ServerError)
+                    else ServerError(
+                        f"weight broadcast failed at bucket {k + 1}/{len(parts)}: {err}",
+                        endpoint="trainer",
+                    )
                 )
         self.last_push_s = time.perf_counter() - t0
         return self.last_push_s
