@@ -25,12 +25,14 @@ import numpy as np
 import torch
 
 from agentrl.config import TrainConfig, dump_config
-from agentrl.env import Env, env_class, make
+from agentrl.data import tasks_for
+from agentrl.env import Env, import_envs, make
 from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
-from agentrl.learner import Learner, LearnerConfig, samples_from_trajectories
+from agentrl.learner import Learner, samples_from_trajectories
 from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop.cold_start import build_demonstrations, sft
+from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
@@ -52,24 +54,14 @@ def load_policy(config: TrainConfig) -> tuple[Any, Any]:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(config.model.path)
-        model = AutoModelForCausalLM.from_pretrained(config.model.path)
+        try:
+            tok = AutoTokenizer.from_pretrained(config.model.path)
+            model = AutoModelForCausalLM.from_pretrained(config.model.path)
+        except OSError as e:  # a missing directory or an unknown hub id: one line, no traceback
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"model.path: cannot load {config.model.path!r}: {first}") from None
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
     return model.to(dtype), tok
-
-
-def load_tasks(config: TrainConfig, split: str) -> list[Task]:
-    """Training or held-out tasks: from a file when configured, else the env's generator."""
-    path = config.env.train_tasks if split == "train" else config.env.eval_tasks
-    if path is not None:
-        from agentrl.data import load_tasks as load_file
-
-        return load_file(
-            path, prompt_field=config.env.prompt_field, answer_field=config.env.answer_field
-        )
-    n = config.env.num_train_tasks if split == "train" else config.env.num_eval_tasks
-    cls = env_class(config.env.id)
-    return cls.sample_tasks(n, seed=config.seed, split=split, **config.env.task_kwargs)  # type: ignore[attr-defined]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -118,10 +110,14 @@ class Trainer:
         self.on_step = on_step
         if resume and config.run_dir is None:
             raise ConfigError("run_dir: resume needs the run directory to continue")
+        # everything that can be wrong with the config fails here, before a model or a file
+        import_envs(config.imports)
+        self.train_tasks = tasks_for(config, "train")
+        self.eval_tasks = tasks_for(config, "test")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(config.run_dir or Path(config.out_dir) / f"{config.name}-{stamp}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.resume = resume
+        self.health = RunHealth(config.train)
         self.step = 0
         self.cursor = 0
         random.seed(config.seed)
@@ -129,14 +125,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model, self.tokenizer = load_policy(config)
         self.chat = ChatTokenizer(self.tokenizer)
-        learner_fields: dict[str, Any] = {
-            "temperature": config.rollout.temperature or 1.0,
-            "seed": config.seed,
-        }
-        learner_fields.update(config.learner)
-        self.learner = Learner(self.model, LearnerConfig(**learner_fields))
-        self.train_tasks = load_tasks(config, "train")
-        self.eval_tasks = load_tasks(config, "test")
+        self.learner = Learner(self.model, config.learner)  # temperature follows the rollout's
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.client: InferenceClient = self._make_client()
         self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
         eval_cfg = config.rollout.model_copy(
@@ -318,7 +308,10 @@ class Trainer:
             metrics["time/sync_s"] = await self.sync_weights()
             if on_synced is not None:
                 on_synced()
-        self._write_trajectories(trajs, advs)
+        shown = self.health.observe(self.step, groups, trajs)  # failed, timeout, zero-signal
+        trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
+        path = self.run_dir / "trajectories.jsonl"
+        write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
         return metrics
 
     def training_batch(
@@ -347,18 +340,6 @@ class Trainer:
             trajs += [t for t, _ in keep]
             advs += [a for _, a in keep]
         return trajs, advs, zero_signal
-
-    def _write_trajectories(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> None:
-        trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
-        with (self.run_dir / "trajectories.jsonl").open("a", encoding="utf-8") as f:
-            for i, (t, a) in enumerate(zip(trajs, advs, strict=True)):
-                rec = {
-                    "step": self.step,
-                    "advantages": [round(x, 6) for x in a.tolist()],
-                    "trainer_logprobs": trainer_lp[i] if i < len(trainer_lp) else None,
-                    "trajectory": t.model_dump(mode="json"),
-                }
-                f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -415,11 +396,15 @@ class Trainer:
         Evaluates every ``eval_every`` steps (not at the last: the run's end evaluates), logs
         the step, checkpoints every ``checkpoint_every`` steps, and stops at ``train.steps``
         or when ``train.max_wall_s`` has passed.
+
+        Raises:
+            TrainingError: too many episodes failed for too long (:class:`RunHealth`).
         """
         cfg = self.config.train
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update(await self.evaluate())
         self.log(metrics)
+        self.health.check(self.step, metrics)
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
         if self.step >= cfg.steps:

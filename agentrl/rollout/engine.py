@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,8 +59,11 @@ class RolloutConfig(BaseModel):
     episode_timeout_s: float = Field(600.0, gt=0)
     """Wall time per episode; exceeding it truncates the episode (finish reason ``timeout``)."""
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy); the learner's follows it."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1: off)."""
     top_k: int = -1
+    """Sample among the k likeliest tokens (-1: off)."""
     seed: int | None = 0
     """Base of per-request sampling seeds (reproducible runs); ``None`` for unseeded sampling."""
     success_threshold: float = 1.0
@@ -118,6 +122,7 @@ class _Episode:
     truncated: bool = False
     finish_reason: str = ""
     error: str | None = None
+    traceback: str = ""
     interruptions: int = 0
     resumes: int = 0
     timing: Timing = field(default_factory=Timing)
@@ -253,6 +258,7 @@ class RolloutEngine:
                     await self._abort_quietly(rid[0])
             except Exception as e:  # a bad episode is data, not a crash
                 ep.error, ep.finish_reason = f"{type(e).__name__}: {e}", "error"
+                ep.traceback = traceback.format_exc()  # the trainer prints the first one
                 log.debug("episode %s failed", episode_id, exc_info=True)
             finally:
                 if env is not None:
@@ -275,7 +281,8 @@ class RolloutEngine:
             finish_reason=ep.finish_reason,
             error=ep.error,
             timing=ep.timing,
-            info={"interruptions": ep.interruptions, "resumes": ep.resumes},
+            info={"interruptions": ep.interruptions, "resumes": ep.resumes}
+            | ({"traceback": ep.traceback} if ep.traceback else {}),
         )
 
     async def _loop(
@@ -314,6 +321,10 @@ class RolloutEngine:
             ep.messages.append(Message(role="assistant", content=action))
             if out.finish_reason == "abort":
                 raise EnvError(f"generation aborted by the server ({out.rid})")
+            if out.finish_reason == "length" and not (env.sees_cut_turns or cfg.ignore_eos):
+                full = params.max_new_tokens == cfg.max_new_tokens  # else the context budget
+                ep.truncated, ep.finish_reason = True, "max_new_tokens" if full else "max_tokens"
+                return
             t = time.perf_counter()
             result = await env.step(action)
             ep.timing.env_s += time.perf_counter() - t
