@@ -38,21 +38,27 @@ def train(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tup
     return rc, err
 
 
+EXTRA = "Extra inputs are not permitted; did you mean"
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("--nmae=x", "nmae: Extra inputs are not permitted; did you mean 'name'?"),
-        ("--model.dtyp=float32", "model.dtyp: Extra inputs are not permitted; did you mean 'dtype'?"),
-        ("--inference.max_batch=4", "inference.max_batch: Extra inputs are not permitted; did you mean 'max_batch_size'?"),  # noqa: E501
-        ("--env.prompt_feld=q", "env.prompt_feld: Extra inputs are not permitted; did you mean 'prompt_field'?"),  # noqa: E501
-        ("--rollout.grup_size=4", "rollout.grup_size: Extra inputs are not permitted; did you mean 'group_size'?"),  # noqa: E501
+        ("--nmae=x", f"nmae: {EXTRA} 'name'?"),
+        ("--model.dtyp=float32", f"model.dtyp: {EXTRA} 'dtype'?"),
+        ("--inference.max_batch=4", f"inference.max_batch: {EXTRA} 'max_batch_size'?"),
+        ("--env.prompt_feld=q", f"env.prompt_feld: {EXTRA} 'prompt_field'?"),
+        ("--rollout.grup_size=4", f"rollout.grup_size: {EXTRA} 'group_size'?"),
         ("--advantages.shapers=[{name: formt}]", "advantages.shapers[0]:"),
-        ("--advantages.shapers=[{name: format, penatly: 1}]", "advantages.shapers[0].penatly: Extra inputs are not permitted; did you mean 'penalty'?"),  # noqa: E501
-        ("--learner.lrr=1e-4", "learner.lrr: Extra inputs are not permitted; did you mean 'lr'?"),
-        ("--learner.loss=gsop", "learner.loss: Input should be 'gspo_token', 'gspo' or 'grpo' (got 'gsop'); did you mean 'gspo'?"),  # noqa: E501
-        ("--cold_start.step=3", "cold_start.step: Extra inputs are not permitted; did you mean 'steps'?"),  # noqa: E501
-        ("--train.max_failed_frac=2", "train.max_failed_frac: Input should be less than or equal to 1 (got 2)"),  # noqa: E501
-        ("--model.path=./no-such-model", "model.path: Value error, no such model directory"),
+        (
+            "--advantages.shapers=[{name: format, penatly: 1}]",
+            f"advantages.shapers[0].penatly: {EXTRA} 'penalty'?",
+        ),
+        ("--learner.lrr=1e-4", f"learner.lrr: {EXTRA} 'lr'?"),
+        ("--learner.loss=gsop", "learner.loss: Input should be 'gspo_token', 'gspo' or 'grpo'"),
+        ("--cold_start.step=3", f"cold_start.step: {EXTRA} 'steps'?"),
+        ("--train.max_failed_frac=2", "train.max_failed_frac: Input should be less than or equal"),
+        ("--model.path=./no-such-model", "model.path: no such model directory ./no-such-model"),
     ],
 )
 def test_a_typo_in_each_section_fails_before_any_model(
@@ -61,10 +67,10 @@ def test_a_typo_in_each_section_fails_before_any_model(
     rc, err = train(tmp_path, capsys, str(CONFIG), override)
     assert rc == 2
     assert err.startswith(f"agentrl: error: command line {override!r}: "), err
-    assert expected.replace("Value error, ", "") in err
-    assert "\n" not in err and "Traceback" not in err
-    if "formt" in override:
-        assert "did you mean 'format'?" in err
+    assert expected in err and "\n" not in err and "Traceback" not in err
+    for typo, fix in (("formt", "format"), ("gsop", "gspo")):
+        if typo in override:
+            assert f"did you mean {fix!r}?" in err
 
 
 @pytest.mark.parametrize(
@@ -126,7 +132,7 @@ def test_a_field_error_in_a_file_names_its_line(tmp_path: Path) -> None:
         load_config(path)
     path = tmp_path / "run.yaml"
     path.write_text("name: x\nlearner:\n  lr: 1e-4\n  num_minibatch: 2\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:4: learner.num_minibatch: .*'num_minibatches'"):
+    with pytest.raises(ConfigError, match=rf"^{path}:4: learner.num_minibatch: .*minibatches'"):
         load_config(path)
 
 
@@ -164,7 +170,9 @@ def test_config_reference_is_generated_and_up_to_date() -> None:
 def test_train_help_shows_every_field() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "train", "--help"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "--import MODULE_OR_FILE.py" in out.stdout
