@@ -76,6 +76,7 @@ from agentrl.learner.distributed import (
 )
 from agentrl.learner.logprobs import LogprobModel
 from agentrl.learner.losses import get_loss, kl_to_reference
+from agentrl.learner.mismatch import record_version_split
 from agentrl.learner.packing import (
     PackedBatch,
     TrainSample,
@@ -222,6 +223,7 @@ class Learner:
         self._eps = {k: v for k, v in eps.items() if v is not None}
         self.num_steps = 0
         """Optimizer steps taken."""
+        self.weight_version: int | None = None  # set by the trainer: splits mismatch by version
         self.last_trainer_logprobs: list[list[float] | None] = []
         """Per sample of the last batch, the trainer's log-prob of each token as its own
         mini-batch saw it (0.0 where the mask is 0): before any update for the first
@@ -408,6 +410,7 @@ class Learner:
         if mismatch:
             trainer = old if old_trainer is not None else logprobs.detach()
             _mismatch_stats(batch, trainer, engine, stats)
+            record_version_split([samples[i] for i in micro], trainer, engine, self.weight_version, stats)  # noqa: E501
         if self.config.tis is not None:
             w, capped = _tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
             adv = adv * w

@@ -290,6 +290,7 @@ class Trainer:
         t1 = time.perf_counter()
         if trajs:
             samples = samples_from_trajectories(trajs, advs)
+            self.learner.weight_version = self.step  # the version the engine got at the last push
             if overlapped:
                 metrics.update(await asyncio.to_thread(self.learner.step, samples))
             else:
