@@ -95,10 +95,12 @@ def test_zero_signal_steps_warn_and_are_recorded(
     with caplog.at_level(logging.WARNING):
         asyncio.run(trainer.run())
     warned = [r for r in caplog.records if "no learning signal" in r.getMessage()]
-    assert [r.getMessage().split(":")[0] for r in warned] == ["step 0", "step 1"]
+    assert [r.getMessage().split(":")[0] for r in warned] == ["step 1", "step 2"]
     recs = records(trainer.run_dir)
     assert len(recs) == 4 and {r["kind"] for r in recs} == {"zero_signal"}  # 2 groups x 2 steps
-    metrics = [json.loads(ln) for ln in (trainer.run_dir / "metrics.jsonl").read_text().split()]
+    metrics = [
+        json.loads(ln) for ln in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["rollout/zero_signal_groups"] for m in metrics if "rollout/episodes" in m] == [2, 2]
 
 
