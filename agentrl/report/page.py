@@ -195,7 +195,8 @@ function kv(parent, k, v, cls) { parent.append(el('b', '', k), el('span', cls ||
 function side(e, scales) {
   const a = $('side'); a.textContent = ''; a.append(el('h3', '', 'Episode #' + e.gi));
   const g = el('div', 'kv'); a.append(g);
-  kv(g, 'task', e.task_id); kv(g, 'step', String(e.step)); kv(g, 'kind', e.kind || 'trained'); kv(g, 'reward', fmt(e.reward, 4));
+  kv(g, 'task', e.task_id); kv(g, 'step', String(e.step)); kv(g, 'kind', e.kind || 'trained');
+  kv(g, 'reward', fmt(e.reward, 4));
   kv(g, 'advantage', fmt(e.adv, 4)); kv(g, 'finish', e.finish || '-');
   kv(g, 'terminated', String(e.terminated)); kv(g, 'truncated', String(e.truncated));
   kv(g, 'error', e.error || 'none', e.error ? 'err' : '');
