@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import agentrl.envs  # noqa: F401 - registers the built-in envs (ids only; classes load on use)
 from agentrl.env import Env, StepResult, Tool, ToolEnv, make, register
 from agentrl.types import Group, Message, Task, Trajectory
 

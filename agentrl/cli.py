@@ -1,8 +1,9 @@
 """The ``agentrl`` command: one subcommand per job.
 
-Each subcommand is a pair of functions, ``_add_<name>(subparsers)`` to declare its arguments
-and ``_cmd_<name>(args) -> int`` to run it; heavy imports (torch, transformers) happen inside
-``_cmd_<name>`` so that ``agentrl --help`` stays instant. ``main(argv)`` returns the exit code.
+Each subcommand is declared by an ``add_<name>``/``_add_<name>`` function and run by its
+``_cmd_<name>(args) -> int``; ``train`` and ``rollout`` live in :mod:`agentrl.loop.jobs` and take
+the config's ``--section.key=value`` overrides and ``--import``. ``main(argv)`` returns the exit
+code; a bad config or argument is one line on stderr naming the field, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from agentrl import __version__
-from agentrl.errors import ConfigError
-from agentrl.loop.jobs import add_rollout, add_train
+from agentrl.loop.jobs import add_rollout, add_train, exit_code
 from agentrl.report.build import add_report_command
 
 
@@ -89,17 +89,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``agentrl`` command line; returns the process exit code."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # only --section.key=value items are config overrides; anything else is a bad argument
+    bad = extra if not getattr(args, "accepts_overrides", False) else [
+        x for x in extra if "=" not in x
+    ]
+    if bad:
+        parser.error(
+            f"unrecognized arguments: {' '.join(bad)}"
+            + (" (config overrides are --section.key=value)" if extra != bad else "")
+        )
     args.overrides = extra
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args))
-    except ConfigError as e:  # a bad config or argument: say which field, no traceback
-        print(f"agentrl: error: {e}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: args.func(args))  # a bad config: one line naming the field
 
 
 if __name__ == "__main__":

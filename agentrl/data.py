@@ -4,6 +4,9 @@ The math and code envs load their data sets through here. A source is a path (``
 with one object per line, ``.parquet`` when pyarrow is installed) or an iterable of mappings,
 such as a Hugging Face ``datasets.Dataset`` or a list. Errors name the source, the row and the
 field, because a data set with one bad row out of 50,000 should say which.
+
+:func:`tasks_for` is the one task source of a run (the trainer and ``agentrl rollout``): the
+config's task file when it names one, else the env's ``sample_tasks`` generator.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.errors import ConfigError
 from agentrl.types import Task
+
+if TYPE_CHECKING:
+    from agentrl.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +175,40 @@ def _describe(source: Source) -> str:
     if isinstance(source, (str, os.PathLike)):
         return str(source)
     return type(source).__name__
+
+
+def tasks_for(config: TrainConfig, split: str) -> list[Task]:
+    """The tasks of a run's ``split``: from the config's file, else from the env's generator.
+
+    ``train`` reads ``env.train_tasks`` and ``test`` reads ``env.eval_tasks`` (JSONL/Parquet,
+    one task per record: ``env.prompt_field``, ``env.answer_field``, every other field goes to
+    ``Task.data``); without a file, ``sample_tasks(env.num_train_tasks | env.num_eval_tasks,
+    seed=config.seed, split=split, **env.task_kwargs)`` of the env's class.
+
+    Raises:
+        ConfigError: the env is unknown, a file is missing or malformed, or the env has no
+            generator and no file was given (the message names the fields to set).
+    """
+    from agentrl.env import Env, env_class
+
+    env = config.env
+    key = "train_tasks" if split == "train" else "eval_tasks"
+    path = getattr(env, key)
+    if path is not None:
+        try:
+            return load_tasks(path, prompt_field=env.prompt_field, answer_field=env.answer_field)
+        except ConfigError as e:
+            raise ConfigError(f"env.{key}: {e}") from None
+    cls = env_class(env.id)
+    generator = getattr(cls, "sample_tasks", None)
+    base = vars(Env)["sample_tasks"].__func__  # Env's own raises: the env has no generator
+    if generator is None or getattr(generator, "__func__", None) is base:
+        raise ConfigError(
+            f"env.{key}: {env.id} has no built-in task generator (a sample_tasks classmethod); "
+            f"give a JSONL file of tasks, one object per line with the fields named by "
+            f"env.prompt_field ({env.prompt_field!r}) and env.answer_field "
+            f"({env.answer_field!r}), as env.train_tasks=FILE and env.eval_tasks=FILE"
+        )
+    n = env.num_train_tasks if split == "train" else env.num_eval_tasks
+    tasks: list[Task] = generator(n, seed=config.seed, split=split, **env.task_kwargs)
+    return tasks

@@ -6,25 +6,30 @@ assistant's text and returns a frozen :class:`StepResult` (observation messages,
 never to envs. ``close()`` is idempotent and always runs, however the episode ends.
 
 Register with one line, ``register("name-v0", "package.module:Class")``, and the env is found by
-both ``agentrl.make("name-v0")`` and ``gymnasium.make("agentrl/name-v0")``.
+both ``agentrl.make("name-v0")`` and ``gymnasium.make("agentrl/name-v0")``. The CLI finds an env
+registered in your own module or file through ``--import`` (:func:`import_envs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import json
 import re
 import string
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import gymnasium
 from gymnasium import spaces
 
+from agentrl.config_errors import did_you_mean
 from agentrl.errors import ConfigError, EnvError
 from agentrl.types import Message, Task
 
@@ -45,6 +50,12 @@ class Env(ABC):
 
     tools: Sequence[Tool] = ()
     """Tools the agent may call; :class:`ToolEnv` dispatches them."""
+
+    sees_cut_turns: ClassVar[bool] = False
+    """Whether ``step`` receives a turn that ``rollout.max_new_tokens`` cut off. By default such
+    a turn ends the episode as truncated (finish reason ``max_new_tokens``, reward 0) without
+    reaching ``step``, so an unfinished answer is never scored; set True in an env that wants
+    to see it (and, e.g., ask the agent to go on)."""
 
     @abstractmethod
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
@@ -266,12 +277,62 @@ def _load_builtins() -> None:
     importlib.import_module("agentrl.envs")
 
 
+_IMPORTED: dict[Path, str] = {}
+
+
+def import_envs(specs: Sequence[str]) -> None:
+    """Import modules or ``.py`` files so that the envs they ``register`` can be made by id.
+
+    Args:
+        specs: importable module names (``my_pkg.envs``) or paths of ``.py`` files (a file is
+            imported once, as a module named after it, with its folder on ``sys.path``).
+
+    Raises:
+        ConfigError: a file does not exist or a module cannot be found (one line; an error
+            raised by the module's own code propagates with its traceback).
+    """
+    for spec in specs:
+        if spec.endswith(".py") or "/" in spec:
+            path = Path(spec).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"imports: no such file {spec}")
+            if path in _IMPORTED:
+                continue
+            name = path.stem if path.stem not in sys.modules else f"agentrl_user_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise ConfigError(f"imports: {spec} is not an importable Python file")
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))  # so it can import its neighbours
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            _IMPORTED[path] = name
+            module_spec.loader.exec_module(module)
+            continue
+        try:
+            importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            if e.name is None or not spec.startswith(e.name):
+                raise  # the module exists; one of its own imports is missing
+            raise ConfigError(
+                f"imports: no module named {spec!r} (expected a module on sys.path or a .py file)"
+            ) from None
+
+
 def env_class(env_id: str) -> Callable[..., Env]:
-    """The class (or factory) registered as ``env_id``."""
+    """The class (or factory) registered as ``env_id``.
+
+    Raises:
+        ConfigError: no env is registered as ``env_id``; the message says how to import one.
+    """
     _load_builtins()
     spec = _REGISTRY.get(env_id)
     if spec is None:
-        raise ConfigError(f"env_id: unknown env {env_id!r}; registered: {sorted(_REGISTRY)}")
+        raise ConfigError(
+            f"env.id: unknown env {env_id!r}{did_you_mean(env_id, _REGISTRY)}; registered: "
+            f"{sorted(_REGISTRY)}. An env registered in your own file or module is found with "
+            "--import my_env.py (or imports = [\"my_env.py\"] in the config)"
+        )
     if isinstance(spec.entry_point, str):
         module, _, attr = spec.entry_point.partition(":")
         factory: Callable[..., Env] = getattr(importlib.import_module(module), attr)

@@ -41,3 +41,7 @@ class ServerError(AgentRLError):
 
 class VerifierError(AgentRLError):
     """A verifier itself failed (not the model's answer: bad answers score 0 with a reason)."""
+
+
+class TrainingError(AgentRLError):
+    """A run stopped because it could not learn (e.g. most episodes kept failing)."""

@@ -89,7 +89,9 @@ class Trajectory(_Model):
     truncated: bool = False
     """A budget ended the episode (turns, tokens, time)."""
     finish_reason: str = ""
-    """Why it ended: ``terminated``, ``max_turns``, ``max_tokens``, ``timeout`` or ``error``."""
+    """Why it ended: ``terminated``, ``env_truncated``, ``max_turns``, ``max_tokens`` (context
+    budget), ``max_new_tokens`` (a turn cut by its budget, see ``Env.sees_cut_turns``),
+    ``timeout`` or ``error``."""
     error: str | None = None
     """``"Type: message"`` of the exception that failed this episode, else ``None``."""
     timing: Timing = Field(default_factory=Timing)

@@ -20,6 +20,8 @@ _INT = re.compile(r"-?\d+")
 class GuessEnv(SyncEnv):
     """Find a secret integer in ``[1, high]`` (the task's answer)."""
 
+    sees_cut_turns = True  # every turn is a guess answered with a hint, cut or not
+
     def __init__(self) -> None:
         self.secret: int | None = None
         self.high = 0

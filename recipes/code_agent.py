@@ -3,11 +3,11 @@
     python recipes/code_agent.py --preset cpu-tiny           # CPU smoke run of the whole loop
     python recipes/code_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
 
-Reads top to bottom: the config (a preset plus ``key=value`` overrides), the sandbox that runs
-every program the model writes (bubblewrap namespaces where available, else resource limits),
-then the trainer. ``cpu-tiny`` runs the full loop (multi-turn code-v0, sandboxed tests, GSPO
-updates) on a tiny model in minutes; a 0.6M-parameter model does not learn to code, so it is a
-plumbing check, not a learning demo. ``qwen3-1.7b`` trains on HumanEval's train split
+Reads top to bottom: the config (a preset plus ``--section.key=value`` overrides), the sandbox
+that runs every program the model writes (bubblewrap namespaces where available, else resource
+limits), then the trainer. ``cpu-tiny`` runs the full loop (multi-turn code-v0, sandboxed tests,
+GSPO updates) on a tiny model in minutes; a 0.6M-parameter model does not learn to code, so it
+is a plumbing check, not a learning demo. ``qwen3-1.7b`` trains on HumanEval's train split
 (every fifth problem is held out) on a GPU host.
 """
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import sys
 from typing import Any
 
 from agentrl.config import load_config
-from agentrl.loop.jobs import run_training
+from agentrl.loop.jobs import exit_code, run_training
 from agentrl.verifiers.sandbox import default_sandbox
 
 # -------------------------------------------------------------------------------- config
@@ -58,11 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     ap.add_argument("--endpoint", action="append", default=[], help="SGLang URL (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue the run in run_dir=...")
+    ap.add_argument("--import", dest="imports", action="append", default=[],
+                    help="a module or .py file that registers envs (repeatable)")
+    # any other argument is a config override: --section.key=value (or section.key=value)
     args, overrides = ap.parse_known_args(argv)
     tree = copy.deepcopy(PRESETS[args.preset])
     if args.endpoint:
         tree["inference"] = {"endpoints": args.endpoint}
-    config = load_config(tree, overrides)
+    config = load_config(tree, overrides, imports=args.imports)
 
     # ---------------------------------------------------------------- sandbox
     # Every program the model writes runs here; say which isolation this machine gives.
@@ -74,4 +78,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    main()
+    sys.exit(exit_code(main))

@@ -3,7 +3,7 @@
     python recipes/math_agent.py --preset cpu-tiny            # CPU, tiny model, minutes
     python recipes/math_agent.py --preset gpu-small           # one GPU, 25M model, < 10 min
     python recipes/math_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
-    python recipes/math_agent.py --preset cpu-tiny train.steps=10 learner.lr=3e-5
+    python recipes/math_agent.py --preset cpu-tiny --train.steps=10 --learner.lr=3e-5
 
 Reads top to bottom: the config (a preset plus overrides), the environment and its verifier,
 then the trainer. ``cpu-tiny`` is what the README's ``make demo`` runs: a Qwen3-architecture
@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import sys
 from typing import Any
 
 from agentrl.config import load_config
-from agentrl.loop.jobs import run_training
+from agentrl.loop.jobs import exit_code, run_training
 from agentrl.verifiers.math import start_pool
 
 # -------------------------------------------------------------------------------- config
@@ -86,11 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     ap.add_argument("--endpoint", action="append", default=[], help="SGLang URL (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue the run in run_dir=...")
+    ap.add_argument("--import", dest="imports", action="append", default=[],
+                    help="a module or .py file that registers envs (repeatable)")
+    # any other argument is a config override: --section.key=value (or section.key=value)
     args, overrides = ap.parse_known_args(argv)
     tree = copy.deepcopy(PRESETS[args.preset])
     if args.endpoint:
         tree["inference"] = {"endpoints": args.endpoint}
-    config = load_config(tree, overrides)
+    config = load_config(tree, overrides, imports=args.imports)
 
     # ---------------------------------------------------------------- env and verifier
     # math-v0 scores the final answer with agentrl.verifiers.math (math-verify, in worker
@@ -104,4 +108,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    main()
+    sys.exit(exit_code(main))

@@ -178,7 +178,7 @@ def test_rollout_cli_exits_nonzero_over_max_failed_frac(tmp_path, capsys) -> Non
     from agentrl.cli import main
 
     base = ["rollout", "test-faults-v0", "--num-tasks", "8", "--max-turns", "1"]
-    base += ["--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl")]
+    base += ["--group-size", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "out.jsonl")]
     assert main(base) == 1  # 2 of 8 failed; before: exit 0 unless every episode failed
     out = capsys.readouterr().out
     assert "failed" in out and "env" in out.split("failed", 1)[1]

@@ -75,7 +75,11 @@ def test_max_staleness_zero_is_the_synchronous_loop(tmp_path: Path) -> None:
 
 
 def test_overlapped_run_reports_staleness(tmp_path: Path) -> None:
-    summary = asyncio.run(Trainer(load_config(run_config(tmp_path, max_staleness=1))).run())
+    cfg = run_config(tmp_path, max_staleness=1)
+    # fixed-length turns, scored: the untrained model's turns would otherwise all be cut by
+    # max_new_tokens (truncated, reward 0), leaving no signal, no update and so no overlap
+    cfg["rollout"]["ignore_eos"] = True
+    summary = asyncio.run(Trainer(load_config(cfg)).run())
     assert summary["steps"] == 3
     steps = [r for r in records(tmp_path) if "rollout/episodes" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

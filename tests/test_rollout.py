@@ -103,6 +103,7 @@ async def test_seeded_runs_repeat(engine) -> None:
 class Flaky(Env):
     """Raises in step for task 'bad'; counts closes; optionally slow."""
 
+    sees_cut_turns = True  # the untrained model's turns are cut: step must still see them
     closes: list[str] = []
 
     def __init__(self, delay: float = 0.0, raise_in_close: bool = False) -> None:

@@ -203,6 +203,7 @@ class TurnRewardAdvantage(ShaperModel):
     gamma: float = Field(default=0.0, ge=0, le=1)
     """Discount of later turns' rewards into earlier turns' returns."""
     eps: float = Field(default=1e-6, ge=0)
+    """Added to the std of the per-turn returns when they are normalised."""
 
     def __call__(self, group: Group, advantages: torch.Tensor) -> list[torch.Tensor]:
         """Return ``coef`` × normalised turn return on the tokens of each assistant turn."""

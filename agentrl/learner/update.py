@@ -63,6 +63,7 @@ from agentrl.learner.distributed import (
 from agentrl.learner.export import LearnerWeights
 from agentrl.learner.logprobs import LogprobModel
 from agentrl.learner.losses import get_loss, kl_to_reference
+from agentrl.learner.mismatch import record_version_split
 from agentrl.learner.model import choose_body, wrap_model
 from agentrl.learner.packing import (
     PackedBatch,
@@ -164,6 +165,7 @@ class Learner(LearnerWeights):
         self._eps = {k: v for k, v in eps.items() if v is not None}
         self.num_steps = 0
         """Optimizer steps taken."""
+        self.weight_version: int | None = None  # set by the trainer: splits mismatch by version
         self.last_trainer_logprobs: list[list[float] | None] = []
         """Per sample of the last batch, the trainer's log-prob of each token as its own
         mini-batch saw it (0.0 where the mask is 0): before any update for the first
@@ -306,6 +308,9 @@ class Learner(LearnerWeights):
         if mismatch:
             trainer = old if old_trainer is not None else logprobs.detach()
             mismatch_stats(batch, trainer, engine, stats)
+            record_version_split(
+                [samples[i] for i in micro], trainer, engine, self.weight_version, stats
+            )
         if self.config.tis is not None:
             w, capped = tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
             adv = adv * w

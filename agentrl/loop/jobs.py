@@ -1,7 +1,11 @@
 """The long-running jobs behind the CLI: ``train`` and ``rollout``, with progress and summaries.
 
 Library modules never print; these are the user-facing front ends, so they draw a tqdm progress
-bar on stderr, print a summary table at the end, and return the figures for scripts.
+bar on stderr, print a summary table at the end, and return the figures for scripts. Both
+commands (and the recipes) configure one :class:`~agentrl.config.TrainConfig` the same way: a
+config file, ``--section.key=value`` overrides and ``--import`` for envs of your own;
+``rollout``'s short flags (``--group-size``) are generated from the config's models, with their
+defaults (:mod:`agentrl.config_reference`).
 """
 
 from __future__ import annotations
@@ -10,13 +14,17 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from agentrl.config import TrainConfig, load_config
+from agentrl.config_reference import add_flags, flag_dest, flag_overrides, reference
+from agentrl.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +38,6 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
     """Train with a progress bar showing the latest reward; print and return the summary."""
     from agentrl.loop.trainer import Trainer
 
-    bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
-
     def on_step(m: dict[str, float]) -> None:
         if "rollout/reward_mean" in m:
             bar.n = int(m["step"])
@@ -42,10 +48,17 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
         elif "eval/success_rate" in m:
             bar.write(f"step {m['step']}: held-out success {m['eval/success_rate']:.3f}")
 
-    trainer = Trainer(config, resume=resume, on_step=on_step)
-    bar.write(f"run directory: {trainer.run_dir}")
-    summary = asyncio.run(trainer.run())
-    bar.close()
+    bar: Any = None
+    if not logging.getLogger().handlers:  # the env's first traceback and warnings reach stderr
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        trainer = Trainer(config, resume=resume, on_step=on_step)  # checks the config first
+        bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
+        bar.write(f"run directory: {trainer.run_dir}")
+        summary = asyncio.run(trainer.run())
+    finally:
+        if bar is not None:
+            bar.close()
     if trainer.notice:
         print(trainer.notice)
     if summary.get("already_finished"):
@@ -67,80 +80,146 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
     return summary
 
 
+def exit_code(main: Callable[[], int | None]) -> int:
+    """Run ``main``; a config error or a stopped run is one line on stderr, not a traceback.
+
+    Returns:
+        ``main``'s code (0 for ``None``), 2 for a :class:`ConfigError` (a bad config, path or
+        argument) and 1 for a :class:`TrainingError` (the run stopped: its message says why).
+    """
+    try:
+        return int(main() or 0)
+    except ConfigError as e:
+        print(f"agentrl: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"agentrl: error: {e}", file=sys.stderr)
+        return 1
+
+
+def add_imports(parser: argparse.ArgumentParser) -> None:
+    """Declare ``--import MODULE_OR_FILE.py`` (repeatable): envs of your own, by id."""
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_FILE.py",
+        help="import a module or .py file that registers envs (repeatable; adds to `imports`)",
+    )
+
+
+class _HelpWithReference(argparse.Action):
+    """``-h``: the command's help, then every config field (generated from the models)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(parser.format_help())
+        print("config fields (--section.key=value; docs/config.md):")
+        print(reference("text"))
+        parser.exit()
+
+
 def add_train(subparsers: Any) -> None:
-    """Declare ``agentrl train CONFIG [--key=value ...] [--resume]``."""
+    """Declare ``agentrl train CONFIG [--section.key=value ...] [--import M] [--resume]``."""
     p = subparsers.add_parser(
         "train",
         help="train an agent from a TOML/YAML config",
-        description="Train from CONFIG (TOML or YAML); override any field as --section.key=value.",
+        description="Train from CONFIG (TOML or YAML); override any field as --section.key=value. "
+        "The whole config is checked before anything is built or written.",
+        add_help=False,
     )
+    p.add_argument("-h", "--help", action=_HelpWithReference, help="this help and every field")
     p.add_argument("config", help="config file (TOML or YAML)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run_dir")
+    add_imports(p)
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, imports=args.imports)
     run_training(config, resume=args.resume)
     return 0
 
 
 def add_rollout(subparsers: Any) -> None:
-    """Declare ``agentrl rollout ENV_ID ...``."""
+    """Declare ``agentrl rollout ENV_ID ...`` (flags from ``RolloutConfig`` and the config)."""
     p = subparsers.add_parser(
         "rollout",
         help="generate trajectories with no training (data generation, evaluation)",
         description="Run G episodes per task against SGLang endpoints (or the embedded engine) "
-        "and write trajectories to JSONL as they finish.",
+        "and write trajectories to JSONL as they finish. Every flag below is a field of the "
+        "config (its default is the field's); any other field is --section.key=value.",
     )
     p.add_argument("env_id", help="a registered env id, e.g. arith-v0")
+    p.add_argument("--out", required=True, help="JSONL file; trajectories are appended")
+    p.add_argument("--config", default=None, help="a TOML/YAML config to start from")
+    add_imports(p)
     p.add_argument(
         "--endpoint",
         action="append",
         default=[],
-        help="SGLang base URL; repeat for several (default: the embedded engine)",
+        help="SGLang base URL; repeat for several (inference.endpoints; default: the embedded "
+        "engine)",
     )
-    p.add_argument(
-        "--model",
-        default="tiny",
-        help="embedded engine's model when no endpoint: HF dir or 'tiny' (default)",
-    )
+    p.add_argument("--model", default=None, help="model.path: HF dir or 'tiny' (default tiny)")
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer dir for remote endpoints (default: --model's)"
     )
-    p.add_argument("--tasks", default=None, help="JSONL/Parquet of tasks (default: env generator)")
-    p.add_argument("--prompt-field", default="question", help="task file's question field")
-    p.add_argument("--answer-field", default="answer", help="task file's answer field")
-    p.add_argument("--num-tasks", type=int, default=16, help="generated tasks when no --tasks")
-    p.add_argument("--split", default="test", help="generator split (default test)")
-    p.add_argument("--group-size", type=int, default=1, help="episodes per task (G)")
-    p.add_argument("--max-turns", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-total-tokens", type=int, default=2048)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="JSONL file; trajectories are appended")
+    p.add_argument("--split", default="test", choices=["train", "test"], help="task split")
+    p.add_argument(
+        "--tasks", default=None, help="JSONL/Parquet of tasks (env.eval_tasks, or env.train_tasks "
+        "with --split train; default: the env's generator)"
+    )
+    p.add_argument(
+        "--num-tasks", type=int, default=None, help="generated tasks when no --tasks "
+        "(env.num_eval_tasks / env.num_train_tasks)"
+    )
     add_fault_flags(p)
-    p.set_defaults(func=_cmd_rollout)
+    add_flags(p, "env", ["prompt_field", "answer_field"])
+    add_flags(p, "rollout")
+    add_flags(p, "inference", [n for n in _inference_fields() if n != "endpoints"])
+    p.set_defaults(func=_cmd_rollout, accepts_overrides=True)
+
+
+def _inference_fields() -> list[str]:
+    from agentrl.config import InferenceConfig
+
+    return list(InferenceConfig.model_fields)
+
+
+def rollout_config(args: argparse.Namespace) -> TrainConfig:
+    """The config of ``agentrl rollout``: file, then its flags, then ``--section.key=value``."""
+    split = "train" if args.split == "train" else "eval"
+    items = [f"--env.id={json.dumps(args.env_id)}"]
+    if args.endpoint:
+        items.append(f"--inference.endpoints={json.dumps(args.endpoint)}")
+    if args.model is not None:
+        items.append(f"--model.path={json.dumps(args.model)}")
+    if args.tasks is not None:
+        items.append(f"--env.{split}_tasks={json.dumps(args.tasks)}")
+    if args.num_tasks is not None:
+        items.append(f"--env.num_{split}_tasks={args.num_tasks}")
+    items += flag_overrides(args) + list(args.overrides)
+    return load_config(args.config, items, imports=args.imports)
 
 
 # ---- faults (issue 20): the flags and the exit status of `agentrl rollout` --------------------
 
 
 def add_fault_flags(p: argparse.ArgumentParser) -> None:
-    """``--request-timeout``, ``--retry-s``, ``--env-timeout``, ``--max-failed-frac``."""
+    """``--request-timeout`` (``inference.timeout_s``) and ``--max-failed-frac``.
+
+    ``--retry-s``, ``--stall-s`` and ``--env-timeout-s`` are generated from the config.
+    """
     p.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds one generate call may take"
-    )
-    p.add_argument(
-        "--retry-s",
-        type=float,
-        default=60.0,
-        help="seconds a request waits for an endpoint to come back before its episode fails",
-    )
-    p.add_argument(
-        "--env-timeout", type=float, default=60.0, help="seconds one env reset/step/close may take"
+        "--request-timeout",
+        dest=flag_dest("inference", "timeout_s"),
+        default=argparse.SUPPRESS,
+        metavar="FLOAT",
+        help="seconds one generate call may take (--inference.timeout_s)",
     )
     p.add_argument(
         "--max-failed-frac",
@@ -173,61 +252,49 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 
 async def _rollout(args: argparse.Namespace) -> int:
-    from agentrl.env import env_class, make
-    from agentrl.rollout.engine import JsonlSink, RolloutConfig, RolloutEngine, rollout_metrics
+    from agentrl.data import tasks_for
+    from agentrl.env import import_envs, make
+    from agentrl.rollout.engine import JsonlSink, RolloutEngine, rollout_metrics
 
+    cfg = rollout_config(args)
+    import_envs(cfg.imports)
+    tasks = tasks_for(cfg, args.split)  # checked before any model is loaded
+    config = cfg.rollout
     client: Any
-    if args.endpoint:
+    if cfg.inference.endpoints:
         from transformers import AutoTokenizer
 
         from agentrl.inference.client import SGLangClient
         from agentrl.tiny import build_tiny_tokenizer
 
-        name = args.tokenizer or args.model
+        name = args.tokenizer or cfg.model.path
         tokenizer = (
             build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name)
         )
-        client = SGLangClient(args.endpoint, timeout_s=args.request_timeout, retry_s=args.retry_s)
+        client = SGLangClient(cfg.inference.endpoints, **cfg.inference.client_options())
     else:
         from agentrl.inference.engine import LocalEngine
 
-        client = LocalEngine.from_pretrained(args.model)
+        client = LocalEngine.from_pretrained(
+            cfg.model.path, max_batch_size=cfg.inference.max_batch_size
+        )
         tokenizer = client.tokenizer
-    if args.tasks:
-        from agentrl.data import load_tasks
-
-        tasks = load_tasks(
-            args.tasks, prompt_field=args.prompt_field, answer_field=args.answer_field
-        )
-    else:
-        tasks = env_class(args.env_id).sample_tasks(  # type: ignore[attr-defined]
-            args.num_tasks, seed=args.seed, split=args.split
-        )
-    config = RolloutConfig(
-        group_size=args.group_size,
-        max_turns=args.max_turns,
-        max_new_tokens=args.max_new_tokens,
-        max_total_tokens=args.max_total_tokens,
-        temperature=args.temperature,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        env_timeout_s=args.env_timeout,
-    )
     engine = RolloutEngine(client, tokenizer, config)
-    sink = JsonlSink(args.out, extra={"env_id": args.env_id})
+    sink = JsonlSink(args.out, extra={"env_id": cfg.env.id})
     groups = []
     t0 = time.perf_counter()
-    bar = tqdm(total=len(tasks) * args.group_size, desc=args.env_id, unit="episode")
+    bar = tqdm(total=len(tasks) * config.group_size, desc=cfg.env.id, unit="episode")
     try:
         async for group in engine.stream_groups(
-            lambda: make(args.env_id), tasks, env_id=args.env_id, sink=sink
+            lambda: make(cfg.env.id, **cfg.env.kwargs), tasks, env_id=cfg.env.id, sink=sink
         ):
             groups.append(group)
             bar.update(len(group.trajectories))
             m = rollout_metrics(groups)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}")
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         sink.close()
         await client.aclose()
     m = rollout_metrics(groups)

@@ -129,8 +129,12 @@ def load_policy(config: TrainConfig) -> tuple[Any, Any]:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(config.model.path)
-        model = AutoModelForCausalLM.from_pretrained(config.model.path)
+        try:
+            tok = AutoTokenizer.from_pretrained(config.model.path)
+            model = AutoModelForCausalLM.from_pretrained(config.model.path)
+        except OSError as e:  # a missing directory or an unknown hub id: one line, no traceback
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"model.path: cannot load {config.model.path!r}: {first}") from None
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
     return model.to(device=resolve_device(config.model.device), dtype=dtype), tok
 

@@ -24,12 +24,14 @@ import numpy as np
 import torch
 
 from agentrl.config import TrainConfig, dump_config
-from agentrl.env import Env, env_class, make
+from agentrl.data import tasks_for
+from agentrl.env import Env, import_envs, make
 from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
-from agentrl.learner import Learner, LearnerConfig, samples_from_trajectories
+from agentrl.learner import Learner, samples_from_trajectories
 from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop.cold_start import build_demonstrations, sft
+from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import load_policy, make_local_engine, on_side_stream, push_weights
 from agentrl.loop.resume import cut_logs, finished_summary, rng_state, set_rng_state, start_over
@@ -42,18 +44,6 @@ log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003  # eval episodes never share seeds with training episodes
 
 
-def load_tasks(config: TrainConfig, split: str) -> list[Task]:
-    """Training or held-out tasks: from a file when configured, else the env's generator."""
-    path = config.env.train_tasks if split == "train" else config.env.eval_tasks
-    if path is not None:
-        from agentrl.data import load_tasks as load_file
-
-        return load_file(
-            path, prompt_field=config.env.prompt_field, answer_field=config.env.answer_field
-        )
-    n = config.env.num_train_tasks if split == "train" else config.env.num_eval_tasks
-    cls = env_class(config.env.id)
-    return cls.sample_tasks(n, seed=config.seed, split=split, **config.env.task_kwargs)  # type: ignore[attr-defined]
 
 
 class Trainer:
@@ -78,12 +68,16 @@ class Trainer:
             raise ConfigError("run_dir: resume needs the run directory to continue")
         if resume and not Path(config.run_dir or "").is_dir():
             raise ConfigError(f"run_dir: resume needs an existing run directory: {config.run_dir}")
+        # everything that can be wrong with the config fails here, before a model or a file
+        import_envs(config.imports)
+        self.train_tasks = tasks_for(config, "train")
+        self.eval_tasks = tasks_for(config, "test")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(config.run_dir or Path(config.out_dir) / f"{config.name}-{stamp}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.resume = resume
         self.notice: str | None = None  # what a resume did, for the user (the CLI prints it)
         self._checkpointed: int | None = None  # the step checkpointed last (each is written once)
+        self.health = RunHealth(config.train)
         self.step = 0
         self.cursor = 0
         random.seed(config.seed)
@@ -93,16 +87,12 @@ class Trainer:
         self.chat = ChatTokenizer(
             self.tokenizer, template_kwargs=config.model.chat_template_kwargs
         )
-        learner_fields: dict[str, Any] = {
-            "temperature": config.rollout.temperature or 1.0,
-            "seed": config.seed,
+        learner_config = config.learner  # temperature and seed follow the rollout's
+        if "body" not in learner_config.model_fields_set and learner_config.dtype != "bfloat16":
             # the packed body's FlashAttention has no float32: a float32 learner on a card
-            "body": "auto" if config.learner.get("dtype") == "bfloat16" else "transformers",
-        }
-        learner_fields.update(config.learner)
-        self.learner = Learner(self.model, LearnerConfig(**learner_fields))
-        self.train_tasks = load_tasks(config, "train")
-        self.eval_tasks = load_tasks(config, "test")
+            learner_config = learner_config.model_copy(update={"body": "transformers"})
+        self.learner = Learner(self.model, learner_config)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.client: InferenceClient = self._make_client()
         self.last_push: dict[str, float] = {}
         self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
@@ -258,6 +248,7 @@ class Trainer:
         t1 = time.perf_counter()
         if trajs:
             samples = samples_from_trajectories(trajs, advs)
+            self.learner.weight_version = self.step  # the version the engine got at the last push
             if overlapped:
                 # on a stream of its own, so the engine's decoding overlaps it on the card
                 step = self.learner.step
@@ -280,7 +271,10 @@ class Trainer:
             if on_synced is not None:
                 on_synced()
         metrics.update(self.last_push)
-        self._write_trajectories(trajs, advs)
+        shown = self.health.observe(self.step, groups, trajs)  # failed, timeout, zero-signal
+        trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
+        path = self.run_dir / "trajectories.jsonl"
+        write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
         return metrics
 
     def training_batch(
@@ -309,18 +303,6 @@ class Trainer:
             trajs += [t for t, _ in keep]
             advs += [a for _, a in keep]
         return trajs, advs, zero_signal
-
-    def _write_trajectories(self, trajs: list[Trajectory], advs: list[torch.Tensor]) -> None:
-        trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
-        with (self.run_dir / "trajectories.jsonl").open("a", encoding="utf-8") as f:
-            for i, (t, a) in enumerate(zip(trajs, advs, strict=True)):
-                rec = {
-                    "step": self.step,
-                    "advantages": [round(x, 6) for x in a.tolist()],
-                    "trainer_logprobs": trainer_lp[i] if i < len(trainer_lp) else None,
-                    "trajectory": t.model_dump(mode="json"),
-                }
-                f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -389,11 +371,15 @@ class Trainer:
         Evaluates every ``eval_every`` steps (not at the last: the run's end evaluates), logs
         the step, checkpoints every ``checkpoint_every`` steps, and stops at ``train.steps``
         or when ``train.max_wall_s`` has passed.
+
+        Raises:
+            TrainingError: too many episodes failed for too long (:class:`RunHealth`).
         """
         cfg = self.config.train
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update(await self.evaluate())
         self.log(metrics)
+        self.health.check(self.step, metrics)
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
         if self.step >= cfg.steps:

@@ -195,7 +195,8 @@ function kv(parent, k, v, cls) { parent.append(el('b', '', k), el('span', cls ||
 function side(e, scales) {
   const a = $('side'); a.textContent = ''; a.append(el('h3', '', 'Episode #' + e.gi));
   const g = el('div', 'kv'); a.append(g);
-  kv(g, 'task', e.task_id); kv(g, 'step', String(e.step)); kv(g, 'reward', fmt(e.reward, 4));
+  kv(g, 'task', e.task_id); kv(g, 'step', String(e.step)); kv(g, 'kind', e.kind || 'trained');
+  kv(g, 'reward', fmt(e.reward, 4));
   kv(g, 'advantage', fmt(e.adv, 4)); kv(g, 'finish', e.finish || '-');
   kv(g, 'terminated', String(e.terminated)); kv(g, 'truncated', String(e.truncated));
   kv(g, 'error', e.error || 'none', e.error ? 'err' : '');
@@ -329,6 +330,7 @@ def episode_payload(rec: dict[str, Any]) -> dict[str, Any]:
         ]
     return {
         "step": rec.get("step"),
+        "kind": rec.get("kind", "trained"),  # or failed / timeout / zero_signal (not trained)
         "task_id": traj.task_id,
         "gi": traj.group_index,
         "reward": traj.reward,

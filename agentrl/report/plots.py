@@ -40,6 +40,8 @@ class Panel:
     ylabel: str = ""
     log_y: bool = False
     unit_range: bool = False
+    prefix_label: str = "{}"
+    """How a key under ``prefix`` is labelled (``{}`` is the rest of the key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,8 @@ class Figure:
     name: str
     title: str
     panels: tuple[Panel, ...]
+    caption: str = ""
+    """One line under the panels that says how to read them."""
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -57,16 +61,19 @@ FIGURES: tuple[Figure, ...] = (
         "Reward and success",
         (
             Panel(
-                "per step",
-                (
-                    ("rollout/reward_mean", "train reward"),
-                    ("rollout/success_rate", "train success"),
-                    ("eval/success_rate", "held-out success"),
-                    ("eval/reward_mean", "held-out reward"),
-                ),
+                "mean reward per episode",
+                (("rollout/reward_mean", "training episodes"), ("eval/reward_mean", "held-out")),
+                ylabel="reward",
+            ),
+            Panel(
+                "success rate",
+                (("rollout/success_rate", "training episodes"), ("eval/success_rate", "held-out")),
                 unit_range=True,
+                ylabel="fraction of episodes",
             ),
         ),
+        "Training episodes sample at rollout.temperature; held-out ones at "
+        "train.eval_temperature (0: greedy).",
     ),
     Figure(
         "clipping",
@@ -89,8 +96,13 @@ FIGURES: tuple[Figure, ...] = (
         "Engine vs trainer log-probs (trainer - engine)",
         (
             Panel(
-                "per token |diff|",
-                (("mismatch/mean_abs", "mean"), ("mismatch/max_abs", "max")),
+                "numeric mismatch, per token |diff|",
+                (("mismatch/numeric_mean_abs", "mean"), ("mismatch/numeric_max_abs", "max")),
+                log_y=True,
+            ),
+            Panel(
+                "policy lag, per token |diff|",
+                (("mismatch/lag_mean_abs", "mean"), ("mismatch/lag_max_abs", "max")),
                 log_y=True,
             ),
             Panel(
@@ -101,6 +113,8 @@ FIGURES: tuple[Figure, ...] = (
                 ),
             ),
         ),
+        "Numeric: tokens sampled by the weights being trained (kernels, dtype; ~1e-6 in float32). "
+        "Lag: tokens from older weights (overlapped loop), expected.",
     ),
     Figure(
         "lengths",
@@ -135,7 +149,32 @@ FIGURES: tuple[Figure, ...] = (
             ),
         ),
     ),
-    Figure("staleness", "Staleness (partial rollouts)", (Panel("staleness", prefix="staleness/"),)),
+    Figure(
+        "staleness",
+        "Staleness (overlapped loop, partial rollouts)",
+        (
+            Panel(
+                "per step",
+                (
+                    ("staleness/max", "oldest token (versions behind)"),
+                    ("staleness/version_spread", "versions in the batch - 1"),
+                    ("staleness/interrupted_episodes", "episodes interrupted"),
+                    ("staleness/resumed_episodes", "episodes resumed"),
+                    ("staleness/due_groups", "groups the step waited for"),
+                ),
+                ylabel="count",
+            ),
+            Panel(
+                "trained tokens by age",
+                (("staleness/old_token_frac", "older than the learner"),),
+                prefix="staleness/hist_",
+                prefix_label="{} versions old",
+                unit_range=True,
+                ylabel="fraction of tokens",
+            ),
+        ),
+        "A token's age is the learner's version minus the version that sampled it.",
+    ),
 )
 
 
@@ -172,7 +211,7 @@ def _series(
     pairs = list(panel.series)
     if panel.prefix is not None:
         keys = sorted({k for r in records for k in r if k.startswith(panel.prefix)})
-        pairs += [(k, k.removeprefix(panel.prefix)) for k in keys]
+        pairs += [(k, panel.prefix_label.format(k.removeprefix(panel.prefix))) for k in keys]
     out = []
     for key, label in pairs:
         pts = [
@@ -234,7 +273,9 @@ def draw_figure(
         for ax, panel, series in zip(axes[0], figure.panels, data, strict=True):
             _draw_panel(ax, panel, series)
         fig.suptitle(figure.title, fontsize=11)
-        fig.tight_layout()
+        if figure.caption:
+            fig.text(0.5, 0.01, figure.caption, ha="center", va="bottom", fontsize=8)
+        fig.tight_layout(rect=(0, 0.05 if figure.caption else 0, 1, 1))
         out = out_dir / f"{figure.name}.png"
         _save(fig, out)
     finally:

@@ -65,8 +65,11 @@ class RolloutConfig(BaseModel):
     """Wall time of one env call (``reset``, ``step`` or ``close``, sync or async); exceeding it
     fails the episode with cause ``timeout``. ``None``: only the episode timeout applies."""
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy); the learner's follows it."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1: off)."""
     top_k: int = -1
+    """Sample among the k likeliest tokens (-1: off)."""
     seed: int | None = 0
     """Base of per-request sampling seeds (reproducible runs); ``None`` for unseeded sampling."""
     success_threshold: float = 1.0
@@ -256,6 +259,10 @@ class RolloutEngine:
                 raise ServerError(
                     "generation aborted by the server", endpoint=out.endpoint, rid=out.rid
                 )
+            if out.finish_reason == "length" and not (env.sees_cut_turns or cfg.ignore_eos):
+                full = params.max_new_tokens == cfg.max_new_tokens  # else the context budget
+                ep.truncated, ep.finish_reason = True, "max_new_tokens" if full else "max_tokens"
+                return
             t = time.perf_counter()
             result = checked_step(await env_call("step", env.step(action), cfg.env_timeout_s))
             ep.timing.env_s += time.perf_counter() - t

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import traceback
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -65,6 +66,8 @@ class EpisodeState:
     finish_reason: str = ""
     error: str | None = None
     failure: FailureCause | None = None
+    traceback: str = ""
+    """The failing exception's traceback (the trainer prints the first one of a run)."""
     interruptions: int = 0
     resumes: int = 0
     timing: Timing = field(default_factory=Timing)
@@ -96,6 +99,7 @@ class EpisodeState:
         cause = failure_cause(exc)
         shown = exc.original if isinstance(exc, EnvRaised) else exc
         self.error = f"{type(shown).__name__}{where}: {shown}"
+        self.traceback = "".join(traceback.format_exception(shown))
         self.failure = cause
         self.finish_reason = "timeout" if cause == "timeout" else "error"
         self.truncated = self.truncated or cause == "timeout"
@@ -105,6 +109,8 @@ class EpisodeState:
         info: dict[str, Any] = {"interruptions": self.interruptions, "resumes": self.resumes}
         if self.failure is not None:
             info["failure"] = self.failure
+        if self.traceback:
+            info["traceback"] = self.traceback
         fields: dict[str, Any] = dict(
             task_id=task_id,
             env_id=env_id,

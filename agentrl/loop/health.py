@@ -1,0 +1,138 @@
+"""Loud failures: a run that cannot learn says so, and shows the episodes that went wrong.
+
+:class:`RunHealth` watches every training step of both loops (called from
+:meth:`~agentrl.loop.trainer.Trainer.update` and :meth:`~agentrl.loop.trainer.Trainer.after_step`):
+
+- the first traceback of a failing episode is logged at ERROR, once per run;
+- a step where every group had equal rewards (no signal: the learner did nothing) is a warning;
+- a run stops with :class:`~agentrl.errors.TrainingError` (holding that first traceback) when
+  more than ``train.max_failed_frac`` of a step's episodes fail for ``train.max_failed_steps``
+  steps in a row;
+- a few failed, timed-out and zero-signal episodes of each step are written to
+  ``trajectories.jsonl`` beside the trained ones, marked by ``"kind"``, so the report shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.config import TrainLoopConfig
+from agentrl.errors import TrainingError
+from agentrl.types import Group, Trajectory
+
+log = logging.getLogger("agentrl.loop.trainer")
+
+SAMPLES_PER_KIND = 2
+"""Untrained episodes of each kind (failed, timeout, zero_signal) written per step."""
+
+
+class RunHealth:
+    """Failure and signal checks of a run (module docstring).
+
+    Args:
+        config: the ``train`` section (``max_failed_frac``, ``max_failed_steps``).
+    """
+
+    def __init__(self, config: TrainLoopConfig) -> None:
+        self.config = config
+        self.first_traceback: str | None = None
+        self.failed_streak = 0
+
+    def observe(
+        self, step: int, groups: Sequence[Group], trained: Sequence[Trajectory]
+    ) -> list[tuple[str, Trajectory]]:
+        """Look at a step's groups; returns the untrained episodes to record, as (kind, traj).
+
+        Args:
+            step: the step these groups train (for messages).
+            groups: every group of the step, failed episodes included.
+            trained: the trajectories sent to the learner.
+        """
+        kept = {id(t) for t in trained}
+        samples: dict[str, list[Trajectory]] = {"failed": [], "timeout": [], "zero_signal": []}
+        alive = zero = 0
+        for g in groups:
+            ok = [t for t in g.trajectories if not t.failed]
+            alive += bool(ok)
+            if ok and not any(id(t) in kept for t in ok):
+                zero += 1
+                samples["zero_signal"].append(ok[0])
+            for t in g.trajectories:
+                if t.failed:
+                    samples["failed"].append(t)
+                    if self.first_traceback is None:
+                        self.first_traceback = t.info.get("traceback") or t.error
+                        log.error(
+                            "an episode failed (first failure of this run, task %s):\n%s",
+                            t.task_id,
+                            self.first_traceback,
+                        )
+                elif t.finish_reason == "timeout" and id(t) not in kept:
+                    samples["timeout"].append(t)
+        if alive and zero == alive:
+            log.warning(
+                "step %d: every group's episodes got equal rewards (no learning signal), so the "
+                "learner did nothing; check the reward function and the task difficulty",
+                step,
+            )
+        return [(k, t) for k, ts in samples.items() for t in ts[:SAMPLES_PER_KIND]]
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        """Count a step's failed episodes; raise when too many failed for too long.
+
+        Raises:
+            TrainingError: more than ``max_failed_frac`` of the episodes failed in each of the
+                last ``max_failed_steps`` steps; the message holds the first traceback.
+        """
+        episodes = metrics.get("rollout/episodes", 0.0)
+        if not episodes:
+            return
+        frac = metrics.get("rollout/failed", 0.0) / episodes
+        self.failed_streak = self.failed_streak + 1 if frac > self.config.max_failed_frac else 0
+        if self.failed_streak >= self.config.max_failed_steps:
+            raise TrainingError(
+                f"stopping at step {step}: more than train.max_failed_frac="
+                f"{self.config.max_failed_frac:g} of the episodes failed in each of the last "
+                f"{self.failed_streak} steps (train.max_failed_steps); {frac:.0%} failed in the "
+                f"last one. The first failure:\n{self.first_traceback}"
+            )
+
+
+def write_records(
+    path: Path,
+    step: int,
+    trained: Sequence[tuple[Trajectory, torch.Tensor]],
+    trainer_logprobs: Sequence[Any],
+    samples: Sequence[tuple[str, Trajectory]],
+) -> None:
+    """Append a step's trained trajectories and its sampled untrained ones to ``path``.
+
+    Each line is ``{"step", "kind", "advantages", "trainer_logprobs", "trajectory"}``; ``kind``
+    is ``trained``, ``failed``, ``timeout`` or ``zero_signal`` (untrained: zero advantages, no
+    trainer log-probs).
+    """
+    with path.open("a", encoding="utf-8") as f:
+        for i, (t, a) in enumerate(trained):
+            rec = {
+                "step": step,
+                "kind": "trained",
+                "advantages": [round(x, 6) for x in a.tolist()],
+                "trainer_logprobs": trainer_logprobs[i] if i < len(trainer_logprobs) else None,
+                "trajectory": t.model_dump(mode="json"),
+            }
+            f.write(json.dumps(rec) + "\n")
+        for kind, t in sorted(samples, key=lambda s: (s[1].task_id, s[1].group_index)):
+            rec = {
+                "step": step,
+                "kind": kind,
+                "advantages": [0.0] * len(t.tokens),
+                "trainer_logprobs": None,
+                "trajectory": t.model_dump(mode="json"),
+            }
+            f.write(json.dumps(rec) + "\n")
