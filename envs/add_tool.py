@@ -2,7 +2,8 @@ r"""``add-tool-v0``: add two long numbers by calling an ``add`` tool, then answe
 
 The task of ``make demo``. Numbers of four digits are more than the tiny CPU model can add
 reliably, but it can copy them into a tool call, read the tool's output and copy that into its
-answer. A demonstrated episode takes two turns:
+answer. Operands are drawn from the upper half of their range (5000 to 9999), so every sum
+has five digits. A demonstrated episode takes two turns:
 
 .. code-block:: text
 
@@ -111,13 +112,19 @@ class AddToolEnv(ToolEnv):
     def sample_tasks(
         cls, n: int, *, seed: int = 0, split: str = "train", digits: int = 4
     ) -> list[Task]:
-        """``n`` random ``"a+b"`` questions with operands of ``digits`` digits."""
+        """``n`` random ``"a+b"`` questions with operands of ``digits`` digits.
+
+        Operands are drawn from the upper half of the range (5000 to 9999 for 4 digits), so
+        every sum has one digit more than its operands: all episodes have the same shape, and
+        no subset of tasks stays out of reach of the tiny model's copying (where every sample of
+        a group fails, RL has no signal).
+        """
         if split not in ("train", "test"):
             raise ValueError(f"split: expected 'train' or 'test', got {split!r}")
         if digits < 1:
             raise ValueError(f"digits: expected >= 1, got {digits}")
         rng = random.Random(f"add-tool/{seed}/{split}")
-        lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+        lo, hi = 5 * 10 ** (digits - 1), 10**digits - 1
         tasks: list[Task] = []
         while len(tasks) < n:
             a, b = rng.randint(lo, hi), rng.randint(lo, hi)

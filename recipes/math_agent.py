@@ -59,9 +59,13 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_train_tasks": 4096,
             "num_eval_tasks": 200,
         },
-        "rollout": {"group_size": 8, "max_turns": 3, "max_new_tokens": 64,
-                    "max_total_tokens": 256, "temperature": 1.0},
-        "cold_start": {"steps": 400, "lr": 1e-3, "batch_size": 32, "target_success": 0.3,
+        # temperature 0.6: one wrong digit fails an episode, and at 1.0 a fresh copier gets
+        # few of its 13 copied digits all right, so most groups would carry no signal
+        "rollout": {"group_size": 8, "max_turns": 2, "max_new_tokens": 56,
+                    "max_total_tokens": 160, "temperature": 0.6},
+        "inference": {"max_batch_size": 128},
+        # Copying forms abruptly (held-out 0% for ~200 steps, then up fast), hence the check.
+        "cold_start": {"steps": 400, "lr": 2e-3, "batch_size": 16, "target_success": 0.3,
                        "check_every": 25},
         "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token",
                     "micro_batch_tokens": 4096},
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
     tree = copy.deepcopy(PRESETS[args.preset])
     if args.endpoint:
-        tree["inference"] = {"endpoints": args.endpoint}
+        tree.setdefault("inference", {})["endpoints"] = args.endpoint
     config = load_config(tree, overrides)
 
     # ---------------------------------------------------------------- env and verifier

@@ -63,10 +63,11 @@ def test_sample_tasks_splits_and_demonstration() -> None:
     assert not {t.prompt for t in train} & {t.prompt for t in test}
     for t in train[:20] + test[:20]:
         a, b = t.data["a"], t.data["b"]
-        assert 1000 <= a <= 9999 and 1000 <= b <= 9999 and t.answer == str(a + b)
+        assert 5000 <= a <= 9999 and 5000 <= b <= 9999 and t.answer == str(a + b)
+        assert len(t.answer) == 5  # every episode has the same shape
         assert t.prompt == f"{a}+{b}"
         assert AddToolEnv().demonstration(t) == [tool_call_text(a, b), str(a + b)]
-    assert {len(t.prompt) for t in AddToolEnv.sample_tasks(20, digits=2)} == {5}
+    assert {len(t.answer or "") for t in AddToolEnv.sample_tasks(20, digits=2)} == {3}
 
 
 def test_demonstration_is_the_whole_conversation_with_the_tool_masked() -> None:

@@ -46,8 +46,8 @@ def test_math_recipe_tool_demo_smoke(tmp_path: Path) -> None:
     for row in ("turns per episode at end", "tool calls per episode at end",
                 "episodes that used the tool"):
         assert row in s["stdout"]
-    assert "cold start on 16 demonstrations: 2.0 assistant turns" in s["stderr"]
-    assert "cold start step 4: loss" in s["stderr"]
+    assert "cold start on 16 demonstrations: 2.0 assistant turns" in s["stdout"]
+    assert "cold start step 4: loss" in s["stdout"]
     assert "cold start=4/4" in s["stderr"]  # the bar's progress
 
 
