@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) recipes/math_agent.py --preset cpu-tiny
+	$(PY) recipes/math_agent.py --preset cpu-tiny-tool
 
 # SGLang's own JSON contract (one file of its wheel) for the conformance tests; fetched once.
 $(VENV)/sglang_api_types.py: $(STAMP)

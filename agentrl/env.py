@@ -68,6 +68,23 @@ class Env(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook; most envs hold nothing
         """Release resources; called once per episode however it ends, and safe to call twice."""
 
+    def demonstration(self, task: Task) -> list[str] | None:
+        """The assistant turns of a demonstrated episode on ``task``, for the cold start.
+
+        The cold start replays them through the env: every turn but the last goes to ``step``,
+        and the observation it returns (a tool's output, feedback) joins the demonstration,
+        masked out of the loss like in a rollout. A tool env overrides this to show the whole
+        conversation (call, then answer); a bare answer would teach the agent to skip the tool.
+
+        Returns:
+            By default ``task.data["demonstration"]`` (a list of assistant texts) when the task
+            has one, else its reference answer as one turn, else ``None`` (no demonstration).
+        """
+        turns = task.data.get("demonstration")
+        if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+            return list(turns)
+        return None if task.answer is None else [task.answer]
+
     @classmethod
     def sample_tasks(cls, n: int, *, seed: int = 0, split: str = "train") -> list[Task]:
         """Generate ``n`` tasks of ``split`` (``train`` or ``test``), for envs that can.

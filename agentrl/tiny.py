@@ -11,7 +11,7 @@ import string
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 SPECIAL_TOKENS = [
@@ -25,6 +25,10 @@ SPECIAL_TOKENS = [
     "<tool_response>",
     "</tool_response>",
 ]
+# As in Qwen3's tokenizer, only the first three are special (dropped by ``skip_special_tokens``);
+# the thinking and tool markers are ordinary added tokens, so a decoded tool call keeps its
+# ``<tool_call>`` tags and reaches the env's parser.
+_SPECIAL = 3
 
 # Qwen-style ChatML: every message is "<|im_start|>role\ncontent<|im_end|>\n".
 CHAT_TEMPLATE = (
@@ -73,7 +77,11 @@ def _char_vocab() -> list[str]:
 
 
 def build_tiny_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer (printable ASCII + ChatML specials) with a chat template."""
+    """A character-level tokenizer (printable ASCII + ChatML specials) with a chat template.
+
+    The markers ``<think>``, ``<tool_call>``, ``<tool_response>`` (and their closing tags) are
+    one token each but not special, like Qwen3's: decoding keeps them.
+    """
     vocab = {tok: i for i, tok in enumerate(_char_vocab())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
@@ -83,7 +91,11 @@ def build_tiny_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokeni
         unk_token="<unk>",
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=SPECIAL_TOKENS[1:_SPECIAL],
+    )
+    # already in the vocabulary, so their ids do not change
+    fast.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS[_SPECIAL:]]
     )
     fast.chat_template = chat_template
     return fast

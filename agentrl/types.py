@@ -122,6 +122,11 @@ class Trajectory(_Model):
         """Per-turn rewards of the assistant turns, in order."""
         return [t.reward for t in self.turns if t.kind == "assistant"]
 
+    @property
+    def tool_calls(self) -> int:
+        """Tool calls made in the episode (the ``tool_calls`` that tool envs put in turn info)."""
+        return sum(int(t.info.get("tool_calls", 0)) for t in self.turns if t.kind == "assistant")
+
 
 class Group(_Model):
     """The G episodes of one task; advantages are computed within a group."""

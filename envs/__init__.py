@@ -2,6 +2,7 @@
 
 from agentrl.env import register
 
+register("add-tool-v0", "agentrl.envs.add_tool:AddToolEnv")
 register("arith-v0", "agentrl.envs.arith:ArithEnv")
 register("guess-v0", "agentrl.envs.guess:GuessEnv")
 register("math-v0", "agentrl.envs.math:MathEnv")

@@ -1,14 +1,17 @@
 """Math agent: GSPO-token on arithmetic / competition-style questions, rewarded by math-verify.
 
-    python recipes/math_agent.py --preset cpu-tiny            # CPU, tiny model, minutes
+    python recipes/math_agent.py --preset cpu-tiny-tool       # make demo: a tool agent on CPU
+    python recipes/math_agent.py --preset cpu-tiny            # CPU, single turn, ~3 minutes
     python recipes/math_agent.py --preset gpu-small           # one GPU, 25M model, < 10 min
     python recipes/math_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
     python recipes/math_agent.py --preset cpu-tiny --train.steps=10 --learner.lr=3e-5
 
 Reads top to bottom: the config (a preset plus overrides), the environment and its verifier,
-then the trainer. ``cpu-tiny`` is what the README's ``make demo`` runs: a Qwen3-architecture
-model of 0.6M parameters built from a config (no download) learns two-digit addition, first by
-a short supervised cold start on scripted answers, then by RL.
+then the trainer. ``cpu-tiny-tool`` is what the README's ``make demo`` runs: a Qwen3-architecture
+model of 0.6M parameters built from a config (no download) learns to add two 4-digit numbers
+with a tool over two turns (``add-tool-v0``: call ``add``, read its output, answer), first by a
+short supervised cold start on demonstrated conversations, then by RL. ``cpu-tiny`` is the
+single-turn two-digit addition (``math-v0``), the quick check the tests run.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import copy
 import logging
 import sys
 from typing import Any
+
+import torch
 
 from agentrl.config import load_config
 from agentrl.loop.jobs import exit_code, run_training
@@ -64,6 +69,30 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "micro_batch_tokens": 16384},
         "train": {"steps": 400, "tasks_per_step": 64, "eval_every": 10, "max_wall_s": 540},
     },
+    # `make demo`: a multi-turn tool agent on 2 CPU cores within 10 minutes. add-tool-v0 asks for
+    # the sum of two 4-digit numbers, which the tiny model cannot add, but can copy into an `add`
+    # tool call and then copy the tool's output into its answer. The cold start trains on whole
+    # demonstrated conversations and stops at a modest held-out success, so RL has room.
+    "cpu-tiny-tool": {
+        "name": "math-cpu-tiny-tool",
+        "env": {
+            "id": "add-tool-v0",
+            "task_kwargs": {"digits": 4},
+            "num_train_tasks": 4096,
+            "num_eval_tasks": 200,
+        },
+        # temperature 0.6: one wrong digit fails an episode, and at 1.0 a fresh copier gets
+        # few of its 13 copied digits all right, so most groups would carry no signal
+        "rollout": {"group_size": 8, "max_turns": 2, "max_new_tokens": 56,
+                    "max_total_tokens": 160, "temperature": 0.6},
+        "inference": {"max_batch_size": 128},
+        # Copying forms abruptly (held-out 0% for ~200 steps, then up fast), hence the check.
+        "cold_start": {"steps": 400, "lr": 2e-3, "batch_size": 16, "target_success": 0.3,
+                       "check_every": 25},
+        "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token",
+                    "micro_batch_tokens": 4096},
+        "train": {"steps": 100, "tasks_per_step": 16, "eval_every": 10, "max_wall_s": 570},
+    },
     # A GPU host: Qwen3-1.7B served by SGLang (--endpoint) or loaded locally with transformers.
     "qwen3-1.7b": {
         "name": "math-qwen3-1.7b",
@@ -87,19 +116,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     ap.add_argument("--endpoint", action="append", default=[], help="SGLang URL (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue the run in run_dir=...")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 for the cpu-* presets, whose engine and learner "
+        "run side by side; two threads each thrash a loaded 2-core machine)",
+    )
     ap.add_argument("--import", dest="imports", action="append", default=[],
                     help="a module or .py file that registers envs (repeatable)")
     # any other argument is a config override: --section.key=value (or section.key=value)
     args, overrides = ap.parse_known_args(argv)
+    threads = args.torch_threads or (1 if args.preset.startswith("cpu-") else None)
+    if threads:
+        torch.set_num_threads(threads)
     tree = copy.deepcopy(PRESETS[args.preset])
     if args.endpoint:
-        tree["inference"] = {"endpoints": args.endpoint}
+        tree.setdefault("inference", {})["endpoints"] = args.endpoint
     config = load_config(tree, overrides, imports=args.imports)
 
     # ---------------------------------------------------------------- env and verifier
     # math-v0 scores the final answer with agentrl.verifiers.math (math-verify, in worker
     # processes with a time limit); start the pool now so the first batch does not wait.
-    if config.env.id != "arith-v0" and config.env.kwargs.get("extract") != "last_number":
+    if config.env.id.startswith("math") and config.env.kwargs.get("extract") != "last_number":
         start_pool()
 
     # ---------------------------------------------------------------- trainer

@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
-def run_recipe(name: str, run_dir: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, str(ROOT / "recipes" / name), "--preset", "cpu-tiny",
+def run_recipe(name: str, run_dir: Path, *overrides: str, preset: str = "cpu-tiny") -> dict:
+    cmd = [sys.executable, str(ROOT / "recipes" / name), "--preset", preset,
            f"run_dir={run_dir}", *overrides]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
@@ -22,6 +22,7 @@ def run_recipe(name: str, run_dir: Path, *overrides: str) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] >= 1
     assert "held-out success at end" in out.stdout
+    summary["stdout"], summary["stderr"] = out.stdout, out.stderr
     for name in ("metrics.jsonl", "config.yaml", "reward.png"):
         assert (run_dir / name).stat().st_size > 0
     return summary
@@ -31,6 +32,23 @@ def run_recipe(name: str, run_dir: Path, *overrides: str) -> dict:
 def test_math_recipe_smoke(tmp_path: Path) -> None:
     run_recipe("math_agent.py", tmp_path, "train.steps=2", "train.tasks_per_step=4",
                "cold_start.steps=20", "env.num_eval_tasks=8", "rollout.group_size=4")
+
+
+@pytest.mark.slow
+def test_math_recipe_tool_demo_smoke(tmp_path: Path) -> None:
+    """`make demo`'s preset, a few steps: cold start progress, tool figures in the summary."""
+    s = run_recipe("math_agent.py", tmp_path, "train.steps=2", "train.tasks_per_step=2",
+                   "cold_start.steps=4", "cold_start.check_every=2", "cold_start.batch_size=8",
+                   "env.num_train_tasks=16", "env.num_eval_tasks=4", "rollout.group_size=4",
+                   "env.task_kwargs.digits=2", preset="cpu-tiny-tool")
+    assert s["env"] == "add-tool-v0"
+    assert s["turns_mean"] >= 1 and 0 <= s["tool_use_frac"] <= 1 and s["tool_calls_mean"] >= 0
+    for row in ("turns per episode at end", "tool calls per episode at end",
+                "episodes that used the tool"):
+        assert row in s["stdout"]
+    assert "cold start on 16 demonstrations: 2.0 assistant turns" in s["stdout"]
+    assert "cold start step 4: loss" in s["stdout"]
+    assert "cold start=4/4" in s["stderr"]  # the bar's progress
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
-"""Supervised cold start: fine-tune on scripted demonstrations before RL.
+"""Supervised cold start: fine-tune on demonstrated episodes before RL.
 
 The GSPO paper starts RL from a cold-start model; on CPU a tiny model built from scratch needs the
-same, or every reward is 0 and no group carries a signal. A demonstration is the env's first
-prompt (tokenised exactly as rollouts tokenise it) followed by the reference answer and the stop
-token; the loss covers the answer tokens only.
+same, or every reward is 0 and no group carries a signal. A demonstration is a whole episode: the
+env's assistant turns for a task (:meth:`agentrl.env.Env.demonstration`; by default the reference
+answer as one turn) replayed through the env, so that a tool call is followed by what the tool
+really returns. It is tokenised exactly as a rollout is (the first prompt, then each assistant
+turn and its stop token, then the observation as the chat template's delta), and the loss covers
+every assistant turn; prompt, tool and env tokens are masked out, as in RL.
 """
 
 from __future__ import annotations
@@ -16,31 +19,71 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.env import Env
+from agentrl.errors import EnvError
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.types import Task
 
 log = logging.getLogger(__name__)
 
 Example = tuple[list[int], list[int]]  # (token ids, loss mask)
+Progress = Callable[[dict[str, float]], None]
+
+
+async def demonstration_example(
+    env: Env, task: Task, chat: ChatTokenizer, stop_id: int
+) -> Example | None:
+    """The (ids, mask) of one demonstrated episode of ``env`` on ``task``; ``None`` if it has none.
+
+    Every assistant turn but the last is passed to ``env.step``; its observation is appended as
+    a rollout would append it (loss mask 0). Assistant turns and their stop tokens get mask 1.
+
+    Raises:
+        EnvError: the env ended the episode before the demonstration's last turn.
+    """
+    turns = env.demonstration(task)
+    if not turns:
+        return None
+    stop_text = chat.tokenizer.decode([stop_id], skip_special_tokens=False)
+    messages, _ = await env.reset(task)
+    ids = chat.prompt_ids(messages)
+    mask = [0] * len(ids)
+    for k, text in enumerate(turns):
+        out = chat.encode(text) + [stop_id]
+        ids += out
+        mask += [1] * len(out)
+        if k == len(turns) - 1:
+            break  # the last turn's outcome adds no tokens; the env need not score it
+        result = await env.step(text)
+        if result.terminated or result.truncated:
+            raise EnvError(
+                f"task {task.id}: the env ended the demonstration after turn {k + 1} of "
+                f"{len(turns)}; demonstration() must list the assistant turns of one episode"
+            )
+        obs = chat.observation_ids(result.observation, last_token_text=stop_text)
+        ids += obs
+        mask += [0] * len(obs)
+    return ids, mask
 
 
 async def build_demonstrations(
     make_env: Callable[[], Env], chat: ChatTokenizer, tasks: Sequence[Task], stop_id: int
 ) -> list[Example]:
-    """One (ids, mask) example per task with an answer: the env's prompt + answer + stop."""
+    """One (ids, mask) example per task that has a demonstration (see the module doc)."""
     out: list[Example] = []
     for task in tasks:
-        if task.answer is None:
-            continue
         env = make_env()
         try:
-            messages, _ = await env.reset(task)
+            example = await demonstration_example(env, task, chat, stop_id)
         finally:
             await env.close()
-        prompt = chat.prompt_ids(messages)
-        answer = chat.encode(task.answer) + [stop_id]
-        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+        if example is not None:
+            out.append(example)
     return out
+
+
+def assistant_turns(mask: Sequence[int]) -> int:
+    """Number of assistant turns in an example (runs of mask 1)."""
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
 
 
 def _batch(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -55,6 +98,16 @@ def _batch(examples: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, ...]
     return ids, mask, attn
 
 
+def masked_nll(model: torch.nn.Module, examples: Sequence[Example], pad_id: int) -> torch.Tensor:
+    """Mean negative log-likelihood of the masked-in (assistant) tokens of ``examples``."""
+    device = next(model.parameters()).device  # the policy's card (``model.device``)
+    ids, mask, attn = (t.to(device, non_blocking=True) for t in _batch(examples, pad_id))
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    target_mask = mask[:, 1:].float()
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return (nll * target_mask).sum() / target_mask.sum()
+
+
 async def sft(
     model: torch.nn.Module,
     examples: Sequence[Example],
@@ -67,30 +120,32 @@ async def sft(
     check: Callable[[], Awaitable[float]] | None = None,
     check_every: int = 50,
     target: float | None = None,
+    on_progress: Progress | None = None,
 ) -> dict[str, float]:
     """Fine-tune ``model`` in place on ``examples``; returns the last loss and steps run.
 
     With ``check`` (a held-out success function) and ``target``, stops early once reached.
+    ``on_progress`` gets ``sft/step``, ``sft/steps`` and ``sft/loss`` after every step, and
+    ``sft/held_out_success`` with the step of each check.
     """
     if not examples:
-        raise ValueError("sft: expected at least one demonstration, got none")
+        raise ValueError(
+            "sft: expected at least one demonstration, got none (tasks need a reference answer, "
+            "or the env a demonstration() for them)"
+        )
     rng = random.Random(seed)
     fused = next(model.parameters()).device.type == "cuda" or None  # one kernel per step
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=fused)
     model.train()
     loss_value, done = float("nan"), 0
-    device = next(model.parameters()).device  # the policy's card (``model.device``)
     for step in range(steps):
-        batch = _batch(rng.sample(list(examples), min(batch_size, len(examples))), pad_id)
-        ids, mask, attn = (t.to(device, non_blocking=True) for t in batch)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        target_mask = mask[:, 1:].float()
-        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * target_mask).sum() / target_mask.sum()
+        batch = rng.sample(list(examples), min(batch_size, len(examples)))
+        loss = masked_nll(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         loss_value, done = loss.item(), step + 1
+        progress = {"sft/step": float(done), "sft/steps": float(steps), "sft/loss": loss_value}
         if check is not None and target is not None and done % check_every == 0:
             model.eval()
             success = await check()
@@ -98,7 +153,58 @@ async def sft(
             log.info(
                 "cold start step %d: loss %.4f, held-out success %.3f", done, loss_value, success
             )
+            progress["sft/held_out_success"] = success
+            if on_progress is not None:
+                on_progress(progress)
             if success >= target:
                 break
+        elif on_progress is not None:
+            on_progress(progress)
     model.eval()
     return {"sft/loss": loss_value, "sft/steps": float(done)}
+
+
+async def cold_start(
+    model: torch.nn.Module,
+    make_env: Callable[[], Env],
+    chat: ChatTokenizer,
+    tasks: Sequence[Task],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    check: Callable[[], Awaitable[float]] | None = None,
+    check_every: int = 50,
+    target: float | None = None,
+    on_progress: Progress | None = None,
+) -> dict[str, float]:
+    """Build the demonstrations of ``tasks`` and fine-tune ``model`` on them (see :func:`sft`).
+
+    ``on_progress`` first gets ``sft/demonstrations``, ``sft/assistant_turns_mean`` and
+    ``sft/tokens_mean``, then :func:`sft`'s per-step figures; the returned stats hold both.
+    """
+    tok = chat.tokenizer
+    demos = await build_demonstrations(make_env, chat, tasks, tok.eos_token_id)
+    n = max(1, len(demos))
+    stats = {
+        "sft/demonstrations": float(len(demos)),
+        "sft/assistant_turns_mean": sum(assistant_turns(m) for _, m in demos) / n,
+        "sft/tokens_mean": sum(len(ids) for ids, _ in demos) / n,
+    }
+    if on_progress is not None:
+        on_progress(dict(stats))
+    stats |= await sft(
+        model,
+        demos,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        pad_id=tok.pad_token_id or 0,
+        check=check,
+        check_every=check_every,
+        target=target,
+        on_progress=on_progress,
+    )
+    return stats

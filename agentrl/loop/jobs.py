@@ -47,6 +47,20 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
             bar.set_postfix(post)
         elif "eval/success_rate" in m:
             bar.write(f"step {m['step']}: held-out success {m['eval/success_rate']:.3f}")
+        elif "sft/step" in m:  # the cold start's progress
+            post = {"cold start": f"{int(m['sft/step'])}/{int(m['sft/steps'])}"}
+            bar.set_postfix(post | {"loss": f"{m['sft/loss']:.3f}"})
+            if "sft/held_out_success" in m:
+                bar.write(
+                    f"cold start step {int(m['sft/step'])}: loss {m['sft/loss']:.3f}, "
+                    f"held-out success {m['sft/held_out_success']:.3f}"
+                )
+        elif "sft/demonstrations" in m:
+            bar.write(
+                f"cold start on {int(m['sft/demonstrations'])} demonstrations: "
+                f"{m['sft/assistant_turns_mean']:.1f} assistant turns, "
+                f"{m['sft/tokens_mean']:.0f} tokens each"
+            )
 
     bar: Any = None
     if not logging.getLogger().handlers:  # the env's first traceback and warnings reach stderr
@@ -70,6 +84,9 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
                 ("held-out success at RL start", f"{summary['success_start']:.3f}"),
                 ("held-out success at end", f"{summary['success_end']:.3f}"),
                 ("change", f"{change:+.1f} points"),
+                ("turns per episode at end", f"{summary['turns_mean']:.2f}"),
+                ("tool calls per episode at end", f"{summary['tool_calls_mean']:.2f}"),
+                ("episodes that used the tool", f"{summary['tool_use_frac']:.1%}"),
                 ("RL steps", str(summary["steps"])),
                 ("cold start", f"{summary['cold_start_s']:.1f} s"),
                 ("wall time", f"{summary['wall_s']:.1f} s"),

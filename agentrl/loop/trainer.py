@@ -30,7 +30,7 @@ from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
 from agentrl.learner import Learner, samples_from_trajectories
 from agentrl.learner.advantages import compute_token_advantages
-from agentrl.loop.cold_start import build_demonstrations, sft
+from agentrl.loop.cold_start import cold_start as run_cold_start
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import load_policy, make_local_engine, on_side_stream, push_weights
@@ -152,40 +152,39 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     async def evaluate(self) -> dict[str, float]:
-        """Held-out success (pass@1 over ``eval_samples`` samples per task)."""
+        """Held-out success (pass@1 over ``eval_samples`` samples per task), turns, tool calls."""
         groups = await self.evaluator.run_groups(
             self.make_env, self.eval_tasks, env_id=self.config.env.id, seed_offset=EVAL_SEED_OFFSET
         )
         m = rollout_metrics(groups, success_threshold=self.config.rollout.success_threshold)
+        calls = [t.tool_calls for g in groups for t in g.trajectories]
         return {
             "eval/success_rate": m["rollout/success_rate"],
             "eval/reward_mean": m["rollout/reward_mean"],
+            "eval/turns_mean": m["rollout/turns_mean"],
+            "eval/tool_calls_mean": sum(calls) / len(calls),
+            "eval/tool_use_frac": sum(c > 0 for c in calls) / len(calls),
         }
 
     async def cold_start(self) -> dict[str, float]:
-        """Supervised warm-up on demonstrations of training tasks (skipped when 0 steps)."""
+        """Supervised warm-up on demonstrated episodes of training tasks (skipped at 0 steps)."""
         cs = self.config.cold_start
         if cs.steps == 0:
             return {}
-        stop_id = self.tokenizer.eos_token_id
-        demos = await build_demonstrations(self.make_env, self.chat, self.train_tasks, stop_id)
 
         async def check() -> float:
             await self.sync_weights()
             return (await self.evaluate())["eval/success_rate"]
 
-        stats = await sft(
-            self.model,
-            demos,
-            steps=cs.steps,
-            batch_size=cs.batch_size,
-            lr=cs.lr,
-            seed=self.config.seed,
-            pad_id=self.tokenizer.pad_token_id or 0,
-            check=check,
-            check_every=cs.check_every,
-            target=cs.target_success,
-        )
+        def progress(m: dict[str, float]) -> None:  # shown, not logged: the CLI draws it
+            if self.on_step is not None:
+                self.on_step({"step": self.step, **m})
+
+        stats = await run_cold_start(
+            self.model, self.make_env, self.chat, self.train_tasks, steps=cs.steps,
+            batch_size=cs.batch_size, lr=cs.lr, seed=self.config.seed, check=check,
+            check_every=cs.check_every, target=cs.target_success, on_progress=progress,
+        )  # fmt: skip
         self.learner.reset_optimizer()
         await self.sync_weights()
         return stats
@@ -455,6 +454,7 @@ class Trainer:
             "wall_s": time.perf_counter() - t_start,
             "rl_wall_s": time.perf_counter() - t_rl,
             "cold_start_s": start.get("cold_start_s", 0.0),
+            **{k: end[f"eval/{k}"] for k in ("turns_mean", "tool_calls_mean", "tool_use_frac")},
             "env": self.config.env.id,
             "loss": self.learner.config.loss,
             "run_dir": str(self.run_dir),
