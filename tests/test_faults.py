@@ -34,6 +34,8 @@ def config(**kw) -> RolloutConfig:
 class Misbehaving(Env):
     """Returns garbage, raises or hangs, by task id; everything else is a well-behaved env."""
 
+    sees_cut_turns = True  # every turn reaches step(), also one cut by max_new_tokens
+
     def __init__(self) -> None:
         self.task: Task | None = None
 
@@ -76,6 +78,8 @@ class Misbehaving(Env):
 
 class SlowSync(SyncEnv):
     """A synchronous env whose step blocks its worker thread (bounded, so the test can end)."""
+
+    sees_cut_turns = True
 
     def reset_sync(self, task, *, seed=None):
         return [Message(role="user", content=task.prompt)], {}

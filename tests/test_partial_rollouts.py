@@ -75,6 +75,14 @@ class AbortOnly(Recording):
         return getattr(self.inner, name)
 
 
+async def open_rids(client: Recording, n: int) -> list[str]:
+    """The ids of the first ``n`` requests in flight (unique per episode attempt)."""
+    async with asyncio.timeout(20):
+        while len(client.open) < n:
+            await asyncio.sleep(0.001)
+    return sorted(client.open)
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[int, Any]:
     """Weights by seed: 0 is what the engine starts with."""
@@ -112,7 +120,8 @@ async def test_interrupted_turn_resumes_on_new_weights(models, wrapper) -> None:
     rollout = RolloutEngine(client, engine.tokenizer, one_turn_config())
     task = Task(id="long", prompt="Tell me a long story.", data={"turns": 1})
     running = asyncio.create_task(rollout.run_groups(Turns, [task]))
-    rid = "long#0@5/t0"  # task#group_index@seed / turn
+    (rid,) = await open_rids(client, 1)
+    assert rid.startswith("long#0@5~") and rid.endswith("/t0")  # task#index@seed~attempt/turn
     while (engine.num_output_tokens(rid) or 0) < 8:
         await asyncio.sleep(0.001)
     await rollout.interrupt()
@@ -163,7 +172,7 @@ async def test_resumed_turns_are_prefilled_in_one_batch(models, http) -> None:
     rollout = RolloutEngine(client, engine.tokenizer, one_turn_config(group_size=6))
     task = Task(id="batch", prompt="Count.", data={"turns": 1})
     running = asyncio.create_task(rollout.run_groups(Turns, [task]))
-    rids = [f"batch#{i}@{5 + i}/t0" for i in range(6)]
+    rids = await open_rids(client, 6)
     async with asyncio.timeout(20):
         while min(engine.num_output_tokens(r) or 0 for r in rids) < 4:
             await asyncio.sleep(0.001)
