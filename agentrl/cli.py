@@ -1,9 +1,11 @@
 """The ``agentrl`` command: one subcommand per job.
 
-Each subcommand is declared by an ``add_<name>``/``_add_<name>`` function and run by its
-``_cmd_<name>(args) -> int``; ``train`` and ``rollout`` live in :mod:`agentrl.loop.jobs` and take
-the config's ``--section.key=value`` overrides and ``--import``. ``main(argv)`` returns the exit
-code; a bad config or argument is one line on stderr naming the field, never a traceback.
+Each subcommand has a function that declares its arguments and sets the function that runs it
+as the parser's ``func`` (returning the exit code): ``train`` and ``rollout`` are declared by
+:func:`agentrl.loop.jobs.add_train` / :func:`~agentrl.loop.jobs.add_rollout` and take the
+config's ``--section.key=value`` overrides and ``--import``; ``serve`` here; ``report`` by
+:func:`agentrl.report.build.add_report_command`. ``main(argv)`` returns the exit code; a bad
+config or argument is one line on stderr naming the field, never a traceback.
 """
 
 from __future__ import annotations
