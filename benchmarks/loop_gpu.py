@@ -138,7 +138,9 @@ def agentrl_loop(name: str, steps: int, warmup: int) -> dict[str, Any]:
                     "temperature": 1.0, "concurrency": 4096},
         "learner": {"lr": w["lr"], "num_minibatches": 1, "dtype": w["dtype"],
                     "micro_batch_tokens": 16384,
-                    **({"attention_kernel": "triton"} if bf16 else {})},
+                    # bf16: the learner levers of the recipes' GPU presets
+                    **({"attention_kernel": "triton", "compile": True,
+                        "selective_recompute": True} if bf16 else {})},
         "train": {"steps": steps + warmup, "tasks_per_step": w["tasks"], "eval_every": 0,
                   "max_staleness": 1},
     })  # fmt: skip
