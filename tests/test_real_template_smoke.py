@@ -113,3 +113,33 @@ def test_qwen3_preset_runs_on_a_tiny_stand_in(tmp_path: Path, tiny_server_factor
         # ... the env got the bare call, and the learner trains on every sampled token
         sampled = sum(s["end"] - s["start"] for s in assistant)
         assert sum(t["loss_mask"]) == sampled
+
+
+@pytest.mark.slow
+def test_qwen3_code_preset_gets_past_its_first_rollout(
+    tmp_path: Path, tiny_server_factory
+) -> None:
+    """``recipes/code_agent.py --preset qwen3-1.7b`` on the same stand-in: its replies hold no
+    code block, so code-v0 answers with feedback and the episode goes on, turn after turn."""
+    model_dir = tmp_path / "qwen3-tiny"
+    build_stand_in(model_dir)
+    server = tiny_server_factory("--model", str(model_dir))
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, str(ROOT / "recipes" / "code_agent.py"), "--preset", "qwen3-1.7b",
+        "--endpoint", server.url, f"--model.path={model_dir}", f"--run_dir={run_dir}",
+        "--env.num_train_tasks=2", "--env.num_eval_tasks=1", "--rollout.group_size=2",
+        "--rollout.max_new_tokens=40", "--rollout.max_total_tokens=2048", "--train.steps=1",
+        "--train.tasks_per_step=2", "--train.eval_samples=1", "--train.checkpoint_every=0",
+        "--model.dtype=float32", "--learner.dtype=float32", "--learner.compile=false",
+        "--learner.selective_recompute=false", "--learner.micro_batch_tokens=4096",
+    ]  # fmt: skip
+    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["env"] == "code-v0"
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [m for m in metrics if "rollout/episodes" in m]
+    assert step["rollout/episodes"] == 4 and step["rollout/failed"] == 0
+    assert step["rollout/turns_mean"] == 3  # max_attempts: feedback after each codeless reply
