@@ -312,3 +312,31 @@ def test_missing_bwrap_falls_back_or_fails_loudly(monkeypatch: pytest.MonkeyPatc
     assert (r.stdout, r.isolation) == ("fallback\n", "rlimits")
     with pytest.raises(ValueError, match="expected timeout_s > 0"):
         auto.execute("pass", timeout_s=0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs get a uid of their own only as root")
+def test_runs_of_two_sandboxes_at_once_do_not_share_a_process_limit() -> None:
+    # RLIMIT_NPROC counts a uid's tasks system-wide. Two sandboxes (in one process or two) once
+    # numbered their uid slots alike, so one run's children used up the other's limit: its fork
+    # failed (the flaky "runtime_error" of test_ignoring_sigterm_does_not_help[rlimits]), or a
+    # sandbox whose first probe failed that way fell back to running programs as root.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentrl.verifiers.sandbox import Limits
+
+    boxes = [Sandbox(isolation="rlimits", max_concurrency=1, limits=Limits(nproc=6)) for _ in "ab"]
+    code = (
+        "import os, subprocess, sys\n"
+        "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2)'])"
+        " for _ in range(4)]\n"
+        "print(os.getuid(), sum(p.wait() == 0 for p in ps))\n"
+    )  # 5 processes of 6 allowed: both fit only if they do not share a uid
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda b: b.execute(code, timeout_s=20), boxes))
+    finally:
+        for b in boxes:
+            b.close()
+    assert [r.status for r in results] == ["ok", "ok"], results
+    (uid_a, n_a), (uid_b, n_b) = (map(int, r.stdout.split()) for r in results)
+    assert n_a == n_b == 4 and 0 not in (uid_a, uid_b) and uid_a != uid_b

@@ -9,7 +9,7 @@ limits, slots); this private module holds *how*, split out to keep both modules 
   the sandbox's pid namespace), and stray processes of a rlimits run (by uid or marker variable).
 - child setup run between fork and exec: the private mount that exposes the interpreter to an
   unprivileged uid, dropping root, resource limits, no-new-privs and the parent-death signal.
-- the uid slots (``_UID_BASE``), the host folders hidden in namespace mode and bwrap's options.
+- the run uids (``_take_uid``), the host folders hidden in namespace mode and bwrap's options.
 
 Nothing here is public; names keep their leading underscore and may change without notice.
 """
@@ -22,9 +22,11 @@ import json
 import logging
 import os
 import resource
+import secrets
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,7 +60,29 @@ class Limits:
 
 
 _UID_BASE = 1_999_000_000
-"""As root, slot ``i`` runs under uid/gid ``_UID_BASE + i`` (uids no account uses)."""
+_UID_RANGE = 1 << 20
+"""As root each run takes a uid/gid of its own in ``_UID_BASE + [0, _UID_RANGE)`` (uids no account
+uses) that no live process has. RLIMIT_NPROC counts a uid's tasks system-wide: when runs shared a
+uid (two sandboxes, or two processes with one each, numbering their slots alike), one run's
+processes used up another's limit and its program failed to fork."""
+_uids_taken: set[int] = set()
+_uids_lock = threading.Lock()
+
+
+def _take_uid() -> int:
+    """A uid for one run: random in the range, unused here and by every live process."""
+    with _uids_lock:
+        while True:
+            uid = _UID_BASE + secrets.randbelow(_UID_RANGE)
+            if uid not in _uids_taken and _count_tasks(uid) == 0:
+                _uids_taken.add(uid)
+                return uid
+
+
+def _release_uid(uid: int) -> None:
+    """Give a run's uid back (its processes are gone)."""
+    with _uids_lock:
+        _uids_taken.discard(uid)
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 _HIDE = ("/root", "/home", "/work", "/run", "/mnt", "/media", "/srv", "/opt", "/var/tmp")
 _SYSTEM = tuple("/usr /bin /sbin /lib /lib32 /lib64 /libx32 /etc /proc /dev /sys /tmp /var".split())

@@ -18,9 +18,10 @@ process tree at once (no SIGTERM grace, which a program could ignore), and no pr
 survives :meth:`Sandbox.execute`. Memory is capped per process (``RLIMIT_AS``; no cgroups needed),
 so one run can hold up to ``nproc * memory_mb``. The kernel ignores
 ``RLIMIT_NPROC`` for root, so as root the program runs under a dedicated unprivileged uid (one per
-concurrent slot); with namespaces the process limit is set inside the sandbox's user namespace, so
-it counts that sandbox's processes only. When that uid cannot reach the interpreter (a pyenv under
-``/root``), a private mount namespace shows it the interpreter's folder first.
+run, which no live process has); with namespaces the process limit is set inside the sandbox's
+user namespace, so it counts that sandbox's processes only. When that uid cannot reach the
+interpreter (a pyenv under ``/root``), a private mount namespace shows it the interpreter's
+folder first.
 
 The program runs as ``python -I -S`` (stdlib only, unless ``site_packages=True``) through a small
 bootstrap that sets the in-sandbox limits, restores ``exit``/``quit``, runs ``main.py`` as
@@ -58,7 +59,6 @@ from agentrl.errors import VerifierError
 from agentrl.verifiers._sandbox_os import (
     _MARKER,
     _PATH,
-    _UID_BASE,
     ExecStatus,
     Isolation,
     IsolationChoice,
@@ -75,7 +75,9 @@ from agentrl.verifiers._sandbox_os import (
     _outcome,
     _Pipes,
     _popen,
+    _release_uid,
     _Setup,
+    _take_uid,
 )
 
 logger = logging.getLogger(__name__)
@@ -302,7 +304,7 @@ class Sandbox:
         return "rlimits"
 
     def _run(self, level: Isolation, job: _Job, slot: int) -> ExecResult:
-        uid = _UID_BASE + slot if self._drop else None
+        uid = _take_uid() if self._drop else None
         marker = secrets.token_hex(8)
         env = {"PATH": _PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", _MARKER: marker, **job.env}
         r = resource
@@ -344,6 +346,8 @@ class Sandbox:
             pipes.close()
             if launch.workdir is not None:
                 shutil.rmtree(launch.workdir, ignore_errors=True)
+            if uid is not None:
+                _release_uid(uid)
         reason = reason or pipes.reason
         status, code, out, err = _outcome(level, reason, returncode, pipes)
         return ExecResult(status, code, out, err, elapsed, level)
