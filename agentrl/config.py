@@ -83,6 +83,17 @@ class InferenceConfig(_Section):
     """A request in flight this long triggers a health probe of its endpoint; if the endpoint
     does not answer, the request is aborted there first, then resubmitted to a healthy endpoint.
     ``None`` disables the check."""
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    """How new weights reach remote servers: ``disk`` (a safetensors checkpoint that
+    ``/update_weights_from_disk`` loads: the servers must see the run directory) or
+    ``distributed`` (broadcast over a process group with SGLang's ``/init_weights_update_group``
+    and ``/update_weights_from_distributed``: NCCL from a learner on a GPU, gloo from a CPU)."""
+    weight_sync_address: str = "127.0.0.1"
+    """``distributed``: this host's address as the servers reach it (the group's store)."""
+    weight_sync_port: int = Field(0, ge=0, le=65535)
+    """``distributed``: the group's port on that address (0: a free one)."""
+    weight_sync_bucket_mb: float = Field(512.0, gt=0)
+    """``distributed``: the largest bucket of tensors sent per HTTP call."""
 
     def client_options(self) -> dict[str, Any]:
         """The :class:`~agentrl.inference.client.SGLangClient` keyword arguments set here."""

@@ -107,3 +107,62 @@ async def test_update_without_a_group_is_refused(tiny_server) -> None:
             assert payload["success"] is False and "init it first" in payload["message"]
         async with s.post(tiny_server.url + "/destroy_weights_update_group", json={}) as r:
             assert r.status == 400
+
+
+@pytest.mark.slow
+def test_trainer_pushes_over_a_group_with_weight_sync_distributed(
+    tmp_path, tiny_server_factory
+) -> None:
+    """``inference.weight_sync=distributed``: the trainer broadcasts each version (gloo from the
+    CPU learner) instead of writing a checkpoint; the overlapped loop interrupts around it."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from agentrl.config import load_config
+    from agentrl.loop.trainer import Trainer
+
+    server = tiny_server_factory()
+    cfg = {
+        "run_dir": str(tmp_path), "seed": 3,
+        "env": {"id": "arith-v0", "task_kwargs": {"digits": 1}, "num_train_tasks": 64,
+                "num_eval_tasks": 4},
+        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
+        "cold_start": {"steps": 0},
+        "learner": {"lr": 1e-4, "num_minibatches": 2},
+        "advantages": {"shapers": [{"name": "format", "penalty": 0.1}]},  # a signal every step
+        "inference": {"endpoints": [server.url], "weight_sync": "distributed",
+                      "weight_sync_bucket_mb": 0.5},
+        "train": {"steps": 2, "tasks_per_step": 4, "eval_every": 0, "checkpoint_every": 0},
+    }  # fmt: skip
+    trainer = Trainer(load_config(cfg))
+    summary = asyncio.run(trainer.run())
+    assert summary["steps"] == 2
+    info = json.loads(urllib.request.urlopen(f"{server.url}/model_info").read())
+    assert info["weight_version"] == "2"
+    assert not (tmp_path / "weights").exists()  # nothing went through the disk
+    steps = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    pushed = [m for m in steps if "rollout/episodes" in m]
+    assert len(pushed) == 2 and all(m["time/sync_s"] > 0 for m in pushed)
+    assert any("perf/tokens" in m for m in pushed)  # the learner trained: new weights went out
+    assert not any("time/weight_write_s" in m for m in steps)
+    # the served weights are the learner's: a greedy reply scores as the learner scores it
+    from agentrl.types import Message
+
+    prompt = trainer.chat.prompt_ids([Message(role="user", content="1+2=")])
+    weights = trainer.learner.state_dict_for_inference()
+    model = build_tiny_model(trainer.tokenizer, seed=0)
+    model.load_state_dict(weights)
+
+    async def score() -> tuple[list[float], list[int]]:
+        async with SGLangClient(server.url) as client:
+            out = await client.generate(prompt, SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                               ignore_eos=True, seed=1))
+        return out.logprobs, out.output_ids
+
+    logprobs, ids = asyncio.run(score())
+    ids_t = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids_t).logits[0, len(prompt) - 1 : -1].float(), -1)
+    ref = lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+    assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < TOL

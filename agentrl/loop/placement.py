@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -169,21 +170,56 @@ def make_local_engine(model: Any, tokenizer: Any, config: TrainConfig) -> Any:
     return LocalEngine(copy.deepcopy(model), tokenizer, device=device, dtype=dtype, **kwargs)
 
 
+def make_weight_push(config: TrainConfig, device: torch.device) -> Any:
+    """The distributed weight push to ``inference.endpoints``, or ``None`` (the disk path).
+
+    NCCL when the learner is on a card, gloo otherwise; the group forms at the first push.
+    """
+    inf = config.inference
+    if not inf.endpoints or inf.weight_sync != "distributed":
+        return None
+    from agentrl.inference.weight_push import DistributedWeightPush
+
+    port = inf.weight_sync_port
+    if port == 0:
+        with socket.socket() as s:  # a free port now; the store binds it at the first push
+            s.bind((inf.weight_sync_address, 0))
+            port = int(s.getsockname()[1])
+    return DistributedWeightPush(
+        inf.endpoints,
+        master_address=inf.weight_sync_address,
+        master_port=port,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        device=device,
+        bucket_mb=inf.weight_sync_bucket_mb,
+        timeout_s=inf.timeout_s,
+    )
+
+
 async def push_weights(
-    learner: Any, client: Any, version: int, remote_dir: Path | None, tokenizer: Any
+    learner: Any,
+    client: Any,
+    version: int,
+    remote_dir: Path | None,
+    tokenizer: Any,
+    distributed: Any = None,
 ) -> dict[str, float]:
     """Push the learner's weights to the engine as ``version``; returns the push's timings.
 
     In process (``remote_dir`` is ``None``) the state dict stays on the learner's card and the
-    engine copies it device to device. Remote, the learner writes a safetensors checkpoint in
-    the export dtype (bf16 for a bf16 policy) that ``/update_weights_from_disk`` loads.
+    engine copies it device to device. Remote, with ``distributed`` (a
+    :class:`~agentrl.inference.weight_push.DistributedWeightPush`) the weights are broadcast to
+    the servers; else the learner writes a safetensors checkpoint in the export dtype (bf16 for
+    a bf16 policy) that ``/update_weights_from_disk`` loads.
 
     Returns:
-        ``time/sync_s`` (the whole push) and, remote, ``time/weight_write_s`` (the write).
+        ``time/sync_s`` (the whole push) and, remote from disk, ``time/weight_write_s``.
     """
     t = time.perf_counter()
     out: dict[str, float] = {}
-    if remote_dir is not None:
+    if distributed is not None:
+        await distributed.push(learner.state_dict_for_inference(), version)
+    elif remote_dir is not None:
         learner.save_pretrained(remote_dir, tokenizer=tokenizer)
         out["time/weight_write_s"] = time.perf_counter() - t
         await client.update_weights_from_disk(str(remote_dir.resolve()), version)

@@ -33,7 +33,13 @@ from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop.cold_start import cold_start as run_cold_start
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
-from agentrl.loop.placement import load_policy, make_local_engine, on_side_stream, push_weights
+from agentrl.loop.placement import (
+    load_policy,
+    make_local_engine,
+    make_weight_push,
+    on_side_stream,
+    push_weights,
+)
 from agentrl.loop.resume import cut_logs, finished_summary, rng_state, set_rng_state, start_over
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
@@ -95,6 +101,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.client: InferenceClient = self._make_client()
         self.last_push: dict[str, float] = {}
+        self.weight_push = make_weight_push(config, self.learner.device)  # None: disk or local
         self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
         eval_cfg = config.rollout.model_copy(
             update={
@@ -134,7 +141,7 @@ class Trainer:
         """
         remote = self.run_dir / "weights" if self.config.inference.endpoints else None
         self.last_push = await push_weights(
-            self.learner, self.client, self.step, remote, self.tokenizer
+            self.learner, self.client, self.step, remote, self.tokenizer, self.weight_push
         )
         return self.last_push["time/sync_s"]
 
@@ -409,6 +416,8 @@ class Trainer:
         try:
             return await self._run(t_start)
         finally:
+            if self.weight_push is not None:
+                await self.weight_push.aclose()
             await self.client.aclose()
             if self._tb is not None:
                 self._tb.close()
