@@ -68,7 +68,8 @@ async def measure(name: str, repeats: int, gpus: int) -> dict[str, Any]:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         cfg = Qwen3Config(**SHAPES[name], eos_token_id=tok.eos_token_id, pad_token_id=0)
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+        with torch.device(here):  # random init of 1.7B parameters on a CPU takes minutes
+            model = Qwen3ForCausalLM(cfg).to(dtype)
     else:
         model = build_tiny_model(tok).to(dtype)
     params = sum(p.numel() for p in model.parameters())
