@@ -176,7 +176,7 @@ async def test_scoring_overlaps_other_episodes(engine) -> None:
     ro = RolloutEngine(engine, engine.tokenizer, config(group_size=8))
     t = time.perf_counter()
     [g] = await ro.run_groups(lambda: Flaky(delay=0.4), [Task(id="ok", prompt="p")])
-    assert time.perf_counter() - t < 1.6
+    assert time.perf_counter() - t < 2.4  # serial would be >= 3.2 s; slack for a loaded box
     assert all(tr.reward == 1.0 for tr in g.trajectories)
 
 
