@@ -8,6 +8,7 @@ step count) so that a resumed run continues exactly. Under FSDP every rank calls
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from agentrl.learner.checkpoint import (
 from agentrl.learner.logprobs import LogprobModel
 
 
-class LearnerWeights:
+class LearnerWeights(ABC):
     """Export and checkpoints of a learner's model (a base of :class:`~agentrl.learner.Learner`).
 
     Uses the learner's ``model`` (the transformers module), ``module`` (what trains: the
@@ -42,9 +43,9 @@ class LearnerWeights:
     architecture: str
     export_dtype: torch.dtype
 
-    def reset_optimizer(self) -> None:  # noqa: D102 (the learner's)
-        raise NotImplementedError
-
+    @abstractmethod
+    def reset_optimizer(self) -> None:
+        """Start the optimizer afresh (the learner's own; a restore begins with it)."""
 
     def state_dict_for_inference(self) -> dict[str, torch.Tensor]:
         """Full weights under the model's Hugging Face names, in the dtype it came in.
