@@ -40,7 +40,8 @@ class ModelConfig(_Section):
     """The policy model."""
 
     path: str = "tiny"
-    """``tiny`` (a Qwen3 model built from config, no download) or an HF directory / hub id."""
+    """``tiny`` (a Qwen3 model built from config, no download), ``tiny-moe`` (its Qwen3-MoE
+    sibling: 8 experts, 2 per token) or an HF directory / hub id."""
     tiny: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the tiny model's config (``num_hidden_layers``, ``hidden_size``, ...)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -57,7 +58,7 @@ class ModelConfig(_Section):
     def _local_path_exists(cls, path: str) -> str:
         # "org/name" may be a hub id; a path that starts like one on disk must be a directory
         local = path.startswith((".", "/", "~")) or path.count("/") > 1
-        if path != "tiny" and local and not Path(path).expanduser().is_dir():
+        if path not in ("tiny", "tiny-moe") and local and not Path(path).expanduser().is_dir():
             raise ValueError(f"no such model directory {path}")
         return path
 

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -68,6 +74,25 @@ QWEN3_0_6B_SHAPE: dict[str, Any] = dict(
     max_position_embeddings=40960,
     rope_theta=1_000_000.0,
     tie_word_embeddings=True,
+)
+
+# Qwen3-30B-A3B's architecture (48 layers, 128 experts, 8 routed per token), for GPU figures built
+# from config with random weights; pass ``num_hidden_layers`` to fit one card.
+QWEN3_30B_A3B_SHAPE: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=False,
 )
 
 
@@ -142,3 +167,66 @@ def build_tiny(seed: int = 0, **overrides: Any) -> tuple[Qwen3ForCausalLM, PreTr
     """The tiny model and its tokenizer together."""
     tokenizer = build_tiny_tokenizer()
     return build_tiny_model(tokenizer, seed=seed, **overrides), tokenizer
+
+
+def tiny_moe_config(vocab_size: int, **overrides: Any) -> Qwen3MoeConfig:
+    """A Qwen3-MoE config a few layers deep (8 experts, 2 routed per token); ``overrides`` win."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.0,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+    )
+    kwargs.update(overrides)
+    return Qwen3MoeConfig(**kwargs)
+
+
+def build_tiny_moe(
+    seed: int = 0, **overrides: Any
+) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+    """A float32 Qwen3-MoE model with seeded random weights, and the tiny tokenizer."""
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_moe_config(len(tokenizer), **overrides)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+        # transformers leaves the router at zeros (every expert ties); a small random router
+        # makes the choice depend on the token, as in a trained model.
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                torch.nn.init.normal_(gate.weight, std=config.initializer_range)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.float().eval(), tokenizer
+
+
+PRESETS = ("tiny", "tiny-moe")
+"""Model names built here from config, with no download: dense Qwen3 and Qwen3-MoE."""
+
+
+def build_preset(
+    name: str, seed: int = 0, **overrides: Any
+) -> tuple[Qwen3ForCausalLM | Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+    """The preset model ``name`` (one of :data:`PRESETS`) and its tokenizer."""
+    if name == "tiny":
+        return build_tiny(seed=seed, **overrides)
+    if name == "tiny-moe":
+        return build_tiny_moe(seed=seed, **overrides)
+    raise ValueError(f"unknown model preset {name!r}; expected one of {PRESETS}")

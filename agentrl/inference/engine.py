@@ -168,7 +168,7 @@ class LocalEngine:
         max_batch_size: int = 64,
         weight_version: int = 0,
     ) -> LocalEngine:
-        """Build an engine from an HF model directory or the ``"tiny"`` preset (no download).
+        """Build an engine from an HF model directory or a no-download ``agentrl.tiny`` preset.
 
         On CUDA a model directory loads in bfloat16 unless ``dtype`` says otherwise; on CPU in
         float32, so that sampled and recomputed log-probs agree to float tolerance.
@@ -176,10 +176,10 @@ class LocalEngine:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model: Any
         tokenizer: Any
-        if path_or_preset == "tiny":
-            from agentrl.tiny import build_tiny
+        from agentrl.tiny import PRESETS, build_preset
 
-            model, tokenizer = build_tiny()
+        if path_or_preset in PRESETS:
+            model, tokenizer = build_preset(path_or_preset)
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -282,11 +282,11 @@ async def _rollout(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         from agentrl.inference.client import SGLangClient
-        from agentrl.tiny import build_tiny_tokenizer
+        from agentrl.tiny import PRESETS, build_tiny_tokenizer
 
         name = args.tokenizer or cfg.model.path
         tokenizer = (
-            build_tiny_tokenizer() if name == "tiny" else AutoTokenizer.from_pretrained(name)
+            build_tiny_tokenizer() if name in PRESETS else AutoTokenizer.from_pretrained(name)
         )
         client = SGLangClient(cfg.inference.endpoints, **cfg.inference.client_options())
     else:

@@ -123,10 +123,10 @@ def load_policy(config: TrainConfig) -> tuple[Any, Any]:
     """The policy model and tokenizer named by ``config.model``, on ``model.device``."""
     model: Any
     tok: Any
-    if config.model.path == "tiny":
-        from agentrl.tiny import build_tiny
+    from agentrl.tiny import PRESETS, build_preset
 
-        model, tok = build_tiny(seed=config.seed, **config.model.tiny)
+    if config.model.path in PRESETS:
+        model, tok = build_preset(config.model.path, seed=config.seed, **config.model.tiny)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -149,9 +149,9 @@ def load_tokenizer(run_dir: Path, model_path: str | None) -> Any | None:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(saved[-1].parent))
-        if model_path == "tiny":
-            from agentrl.tiny import build_tiny_tokenizer
+        from agentrl.tiny import PRESETS, build_tiny_tokenizer
 
+        if model_path in PRESETS:
             return build_tiny_tokenizer()
         if model_path:
             from transformers import AutoTokenizer
