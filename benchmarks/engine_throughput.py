@@ -208,6 +208,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.paged:
         kw["paged"] = True
     engine_model = copy.deepcopy(model)  # the engine owns its copy; the learner reads model
+    steps = [int(k) for k in args.decode_steps.split(",")] if args.decode_steps else []
+    if steps:
+        kw["decode_steps"] = steps[0]
     engine = LocalEngine(
         engine_model, tokenizer, max_batch_size=max(levels), seed=0, compile=args.compile, **kw
     )
@@ -229,6 +232,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rows[level], outs = await bench_engine(engine, batch, args.new_tokens, device)
         if not cuda:
             mismatch = max(mismatch, logprob_mismatch(engine_model, batch, outs, device))
+    compare: dict[str, dict[int, float]] = {}
+    for k in steps[1:]:  # the same levels with other runs of decode steps, side by side
+        other = LocalEngine(
+            engine_model, tokenizer, max_batch_size=max(levels), seed=0, compile=args.compile,
+            **(kw | {"decode_steps": k}),
+        )  # fmt: skip
+        compare[str(k)] = {}
+        for level in levels:
+            batch = prompts(level, args.prompt_len, vocab, 2 + level)
+            await bench_engine(other, batch, 2, device)
+            compare[str(k)][level], _ = await bench_engine(other, batch, args.new_tokens, device)
+        await other.aclose()
     turns: dict[str, Any] = {}
     if args.turns and engine.paged:
         before = engine.prefill_stats()
@@ -271,6 +286,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"multi-turn {key}: {value}")
     for level, tps in rows.items():
         print(f"{f'LocalEngine, {level} concurrent':<34}{tps:>12.1f}{tps / hf_tps:>15.2f}x")
+    for k, by_level in compare.items():
+        for level, tps in by_level.items():
+            name = f"  decode_steps={k}, {level} concurrent"
+            print(f"{name:<34}{tps:>12.1f}{tps / hf_tps:>15.2f}x  ({rows[level] / tps:.2f}x)")
     print(f"\nmax |engine logprob - teacher-forced| = {mismatch:.2e}")
     result: dict[str, Any] = {
         "benchmark": "engine_throughput",
@@ -284,6 +303,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"engine_{level}_tokens_per_s": round(tps, 1) for level, tps in rows.items()},
         "logprob_max_abs_diff": mismatch,
         "paged": engine.paged,
+        "decode_steps": steps[0] if steps else None,
+        "decode_steps_compare": compare,
         **turns,
     }
     if 64 in rows and hf_tps == hf_tps:
@@ -307,6 +328,11 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64, help="multi-turn episodes at once")
     parser.add_argument("--compile", action="store_true", help="torch.compile the engine layers")
     parser.add_argument("--paged", action="store_true", help="the paged path on CPU too")
+    parser.add_argument(
+        "--decode-steps",
+        default="",
+        help="paged engine: decode steps per plan; a list (8,1) also times the others side by side",
+    )
     args = parser.parse_args()
     result = asyncio.run(run(args))
     print(json.dumps(result))

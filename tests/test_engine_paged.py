@@ -3,9 +3,9 @@
 CPU: the paged path forced on the tiny model (float32, torch reference attention and sampling):
 log-probs equal a teacher-forced pass, a reused prefix gives what a cold prefill gives, aborts
 keep the token of the step in flight, weight updates drop cached prefixes, running out of pages
-requeues a request without changing its result. GPU (``gpu``): graph-captured decode equals
-eager decode; log-probs match the learner's (bf16 autocast, packed body) within
-``LEARNER_TOL``.
+requeues a request without changing its result, runs of decode steps sample what single steps
+sample. GPU (``gpu``): graph-captured decode in runs of steps equals eager single steps;
+log-probs match the learner's (bf16 autocast, packed body) within ``LEARNER_TOL``.
 """
 
 from __future__ import annotations
@@ -157,6 +157,42 @@ async def test_out_of_pages_requeues_without_changing_results(tiny, teacher_logp
         await small.aclose()
 
 
+async def test_runs_of_decode_steps_sample_what_single_steps_sample(tiny, teacher_logprobs):
+    model, tokenizer = tiny
+    # stop tokens that random weights hit now and then: rows stop inside a run of steps
+    stops = (7, 11, 19)
+    jobs = [([1, 5, 6, 7], 23), ([1, 20], 9), ([3] * 13, 30), ([1, 40, 41], 17)]
+    results = []
+    for steps in (1, 4):
+        eng = LocalEngine(
+            copy.deepcopy(model), tokenizer, seed=0, paged=True, page_size=4, decode_steps=steps
+        )
+        try:
+            outs = await asyncio.gather(
+                *(
+                    eng.generate(p, sp(n, seed=i, stop_token_ids=stops))
+                    for i, (p, n) in enumerate(jobs)
+                )
+            )
+            # a follow-up turn reuses the pages of a row that stopped inside a run
+            turn2 = jobs[0][0] + outs[0].output_ids + [40, 41]
+            again = await eng.generate(turn2, sp(8, seed=9))
+            results.append((outs, again, eng.prefill_stats()))
+        finally:
+            await eng.aclose()
+    (single, again1, stats1), (runs, again4, stats4) = results
+    assert any(o.finish_reason == "stop" for o in runs)
+    assert any(o.finish_reason == "length" for o in runs)
+    for a, b, (prompt, _) in zip(single, runs, jobs, strict=True):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert max_err(a.logprobs, b.logprobs) < 1e-5
+        assert max_err(b.logprobs, teacher_logprobs(model, prompt, b.output_ids)) < TOL
+    assert again4.output_ids == again1.output_ids
+    assert stats4["cached_tokens"] == stats1["cached_tokens"] > 0
+    turn2 = jobs[0][0] + runs[0].output_ids + [40, 41]
+    assert max_err(again4.logprobs, teacher_logprobs(model, turn2, again4.output_ids)) < TOL
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 
@@ -205,7 +241,7 @@ async def _graph_decode_equals_eager_decode() -> None:
     for graphs in (True, False):
         eng = LocalEngine(
             copy.deepcopy(model), None, seed=0, max_batch_size=8, kv_cache_gib=0.5,
-            compute_dtype=torch.bfloat16, cuda_graphs=graphs,
+            compute_dtype=torch.bfloat16, cuda_graphs=graphs, decode_steps=8 if graphs else 1,
         )  # fmt: skip
         assert eng.paged
         try:

@@ -290,6 +290,7 @@ class StepPlan:
     decode: list[Request]  # rows that feed their last sampled token
     admit: list[Request]  # requests to prefill (prompt + output so far)
     version: int
+    steps: int = 1  # decode steps run back to back (paged engine; no joining rows then)
 
 
 class Batcher:

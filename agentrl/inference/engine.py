@@ -89,8 +89,8 @@ class LocalEngine:
         seed: seed of the shared sampling stream (requests with ``seed`` use their own).
         paged: run the paged path (default: on CUDA when the model supports it); its options,
             ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
-            free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``
-            and ``prefix_cache``, are :func:`~agentrl.inference.paged_batcher.build_paged`'s.
+            free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``,
+            ``prefix_cache``, ``decode_steps`` (8 on CUDA, else 1), are ``build_paged``'s.
     """
 
     def __init__(
@@ -112,6 +112,7 @@ class LocalEngine:
         cuda_graphs: bool = True,
         compile: bool | None = None,
         prefix_cache: bool = True,
+        decode_steps: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
@@ -141,6 +142,7 @@ class LocalEngine:
                 page_size=page_size, compute_dtype=compute_dtype, cuda_graphs=cuda_graphs
             )
             options |= dict(compile=cuda if compile is None else compile, prefix_cache=prefix_cache)
+            options["decode_steps"] = decode_steps or (8 if cuda else 1)
             self._paged, self._batcher = build_paged(
                 model, random.Random(seed), **options, **batching
             )
@@ -195,8 +197,6 @@ class LocalEngine:
             dtype=dtype,
             weight_version=weight_version,
         )
-
-    # ---- properties -------------------------------------------------------------------------
 
     @property
     def weight_version(self) -> int:

@@ -11,6 +11,12 @@ Batcher`'s; this subclass changes where the cache lives and how a step is comput
   head (its full pages stay cached, so it resumes with little recomputation).
 - **A step** is one captured decode of the running rows plus one packed prefill of the joining
   requests' uncached tokens, then one vectorised sampling call for all rows.
+- **Runs of steps.** When nothing waits to join, a plan may hold up to ``decode_steps`` decode
+  steps that the device runs back to back (:meth:`PagedRunner.decode_many`): pages for every
+  step are given up front, and the run is cut to the fewest tokens any row may still sample.
+  A row that stops inside a run keeps the tokens up to its stop; the rest are dropped (at most
+  ``decode_steps - 1`` wasted positions). Sampling keys depend only on (seed, token index), so
+  a run samples exactly what single steps would.
 """
 
 from __future__ import annotations
@@ -64,16 +70,26 @@ class PagedBatcher(Batcher):
         runner: the paged model runner (owns the KV cache and the block table).
         rng: draws the sampling seed of requests that do not bring one.
         prefix_cache: register released pages for reuse (``False``: every prompt is prefilled).
+        decode_steps: most decode steps in one plan when nothing waits to join.
         **kwargs: :class:`Batcher`'s keyword arguments.
     """
 
     def __init__(
-        self, runner: PagedRunner, rng: random.Random, *, prefix_cache: bool = True, **kwargs: Any
+        self,
+        runner: PagedRunner,
+        rng: random.Random,
+        *,
+        prefix_cache: bool = True,
+        decode_steps: int = 1,
+        **kwargs: Any,
     ) -> None:
         super().__init__(cast(Any, runner), cast(Any, None), **kwargs)
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps: expected >= 1, got {decode_steps}")
         self.paged = runner
         self.rng = rng
         self.prefix_cache = prefix_cache
+        self.decode_steps = decode_steps
         self.epoch = 0
         self._free_rows = list(range(runner.max_batch_size - 1, -1, -1))
         self._table: list[tuple[int, int, int]] = []  # pending block-table writes (row, i, page)
@@ -126,10 +142,11 @@ class PagedBatcher(Batcher):
             if req.done:
                 self._release(req, register=True)
         decode = [r for r in self.running if not r.done]
+        steps = self._run_length(decode, admit)
         i = 0
         while i < len(decode):
             req = decode[i]
-            if req.kv_len // size < len(req.pages):
+            if (req.kv_len + steps - 1) // size < len(req.pages):
                 i += 1
                 continue
             page = cache.allocate(1)
@@ -138,7 +155,6 @@ class PagedBatcher(Batcher):
                 continue
             req.pages += page
             self._table.append((req.row, len(req.pages) - 1, page[0]))
-            i += 1
         joining: list[Request] = []
         budget, cached = self.max_prefill_tokens, 0
         while admit and self.waiting and len(decode) + len(joining) < self.max_batch_size:
@@ -174,7 +190,31 @@ class PagedBatcher(Batcher):
         if joining:
             self.prefills.add(joining)
             self.prefills.cached_tokens += cached
-        return StepPlan(None, decode, joining, self.version())
+        return StepPlan(None, decode, joining, self.version(), steps if not joining else 1)
+
+    def _run_length(self, decode: list[Request], admit: bool) -> int:
+        """Decode steps the next plan may run back to back (1 when anything needs the host)."""
+        if self.decode_steps == 1 or not decode or (admit and self.waiting):
+            return 1
+        if any(r.params.truncates or r.aborted is not None for r in decode):
+            return 1
+        steps = min(
+            self.decode_steps,
+            *(r.params.max_new_tokens - len(r.output_ids) for r in decode),
+            *(self.max_model_len - len(r.prompt) - len(r.output_ids) for r in decode),
+        )
+        size = self.paged.page_size
+        need = sum(max(0, (r.kv_len + steps - 1) // size + 1 - len(r.pages)) for r in decode)
+        return steps if steps > 1 and need <= self.paged.cache.available() else 1
+
+    def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
+        """Record each step of the plan in turn; rows that stopped ignore the later tokens."""
+        n = len(plan.decode) + len(plan.admit)
+        for i in range(plan.steps):
+            super().apply(plan, tokens[i * n : (i + 1) * n], logprobs[i * n : (i + 1) * n])
+        if plan.steps > 1:  # keys and values past a row's last token are not its own
+            for req in plan.decode:
+                req.kv_len = min(req.kv_len, len(req.prompt) + len(req.output_ids))
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
         """Free the failed step's pages (nothing registered), then fail its requests."""
@@ -195,6 +235,12 @@ class PagedBatcher(Batcher):
             reqs = plan.decode + plan.admit
             meta = step_meta(reqs, len(plan.decode), size)
             sampled = []
+            if plan.steps > 1:
+                runs = runner.decode_many(meta, plan.steps)  # (steps, 2, n)
+                for req in plan.decode:
+                    req.kv_len += plan.steps
+                flat = runs.transpose(0, 1).reshape(2, -1).tolist()
+                return [int(t) for t in flat[0]], flat[1]
             if plan.decode:
                 logits, out = runner.decode(meta[:, : len(plan.decode)])
                 if any(r.params.truncates for r in plan.decode):  # the graph does not truncate
@@ -218,7 +264,7 @@ class PagedBatcher(Batcher):
 
 
 def step_meta(reqs: list[Request], n_decode: int, page_size: int) -> torch.Tensor:
-    """``(7, len(reqs))`` int64 :data:`~agentrl.inference.paged_runner.DECODE_META` of a step.
+    """``(9, len(reqs))`` int64 :data:`~agentrl.inference.paged_runner.DECODE_META` of a step.
 
     The first ``n_decode`` requests decode (they feed their last sampled token at position
     ``kv_len``); the others join (only their sampling columns are read).
@@ -231,19 +277,19 @@ def step_meta(reqs: list[Request], n_decode: int, page_size: int) -> torch.Tenso
             cols.append((r.output_ids[-1], p, slot, r.row, r.seed, len(r.output_ids)))
         else:
             cols.append((0, 0, 0, r.row, r.seed, len(r.output_ids)))
-    meta = torch.tensor(cols, dtype=torch.int64).t()
+    meta = torch.tensor(cols, dtype=torch.int64).t()  # seeds and counts are rows 4 and 5 here
     temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float64)
     greedy = temps <= 0
     inv_t = torch.where(greedy, 1.0, 1.0 / temps).float()  # float32(1 / T), as the head's
     sampling = torch.stack(
         [row_keys(meta[4], meta[5]), inv_t.view(torch.int32).long(), greedy.long()]
     )
-    return torch.cat([meta[:4], sampling])
+    return torch.cat([meta[:4], sampling, meta[4:6]])
 
 
 def _sample(logits: torch.Tensor, meta: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Sample ``logits`` eagerly with the sampling rows of ``meta``: ``(2, B)`` float64."""
-    m = meta[4:].to(logits.device)
+    m = meta[4:7].to(logits.device)
     inv_t = m[1].to(torch.int32).view(torch.float32)
     top_k = top_p = None
     if any(r.params.truncates for r in reqs):
@@ -267,6 +313,7 @@ def build_paged(
     compile: bool,
     prefix_cache: bool,
     max_batch_size: int,
+    decode_steps: int = 1,
     max_model_len: int,
     **kwargs: Any,
 ) -> tuple[PagedRunner, PagedBatcher]:
@@ -285,6 +332,7 @@ def build_paged(
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the layer functions (~1.7x decode throughput on an H100).
         prefix_cache: reuse cached prefixes across requests and turns.
+        decode_steps: most decode steps run back to back when nothing waits to join.
         max_batch_size: most sequences decoded together.
         max_model_len: longest sequence.
         **kwargs: the rest of :class:`Batcher`'s keyword arguments.
@@ -320,6 +368,7 @@ def build_paged(
         runner,
         rng,
         prefix_cache=prefix_cache,
+        decode_steps=decode_steps,
         max_batch_size=max_batch_size,
         max_model_len=max_model_len,
         **kwargs,

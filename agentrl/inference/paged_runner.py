@@ -13,6 +13,11 @@
   next tokens (:func:`~agentrl.inference.sampling.sample`), so a step reads back ``(2, B)``
   numbers, not the logits. Rows of a bucket past the batch
   write to the scratch page and are ignored.
+- **Steps without the host.** The captured step ends by advancing its own inputs (the sampled
+  token is fed next, at the next position and KV slot, with the next noise key), so
+  :meth:`PagedRunner.decode_many` replays it several times from one metadata copy and reads
+  the tokens back once: the host's planning, copies and synchronisation are paid once per run
+  of steps instead of once per token.
 - Prefill runs eagerly on the packed new tokens of every joining sequence (cached prefixes are
   not recomputed) and keeps the logits of each sequence's last token.
 """
@@ -27,13 +32,14 @@ import torch.nn.functional as F
 
 from agentrl.inference.kv_cache import PagedKVCache
 from agentrl.inference.paged_attention import QueryBlocks, paged_attention, tile_rows
-from agentrl.inference.sampling import sample
+from agentrl.inference.sampling import row_keys, sample
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.packed_body import _rms_norm, _rotate_half, unsupported_reason
 
 PREFILL_TOKENS_PER_BLOCK = 32
-DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy")
-"""Rows of a decode step's metadata, one int64 column per sequence (one host-to-device copy)."""
+DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy", "seeds", "counts")
+"""Rows of a decode step's metadata, one int64 column per sequence (one host-to-device copy);
+``seeds`` and ``counts`` (tokens sampled so far) let a step derive the next step's keys."""
 _ONE_BITS = int(torch.tensor(1.0).view(torch.int32))  # float32 1.0 as int bits (padded rows)
 
 
@@ -154,7 +160,7 @@ class PagedRunner:
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
         self.buckets.append(max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self._static: torch.Tensor | None = None  # (7, max_batch) int64: DECODE_META
+        self._static: torch.Tensor | None = None  # (9, max_batch) int64: DECODE_META
         self._host = self._pad = torch.empty(0, dtype=torch.int64)
 
     # ---- weights ---------------------------------------------------------------------------
@@ -277,22 +283,44 @@ class PagedRunner:
     def _decode_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
         assert self._static is not None
-        ids, pos, slots, rows, keys, inv_t, greedy = self._static[:, :n]
+        ids, pos, slots, rows, keys, inv_t, greedy = self._static[:7, :n]
         arange = torch.arange(n, device=self.device)
         blocks = QueryBlocks(rows, arange, torch.ones_like(arange), tile_rows(self.group, 1))
         logits = self._logits(self._forward(ids, pos, slots, blocks))
         inv_t = inv_t.to(torch.int32).view(torch.float32)  # float32 bits, carried as int64
         tokens, logprobs = sample(logits, inv_t, greedy.bool(), keys)
+        self._advance(n, tokens)
         return logits, torch.stack([tokens.double(), logprobs.double()])
+
+    def _advance(self, n: int, tokens: torch.Tensor) -> None:
+        """Make the metadata of the first ``n`` rows the next step's: feed ``tokens``.
+
+        Padded rows (the scratch row) keep theirs. The next slot is looked up in the block
+        table, so it is right only where the batcher gave the row its next page.
+        """
+        assert self._static is not None
+        ids, pos, slots, rows, keys, _, _, seeds, counts = self._static[:, :n]
+        real = rows != self.scratch_row
+        nxt = pos + 1
+        col = torch.clamp(nxt // self.page_size, max=self.block_table.shape[1] - 1)
+        slot = self.block_table[rows, col].long() * self.page_size + nxt % self.page_size
+        fresh = torch.stack(
+            [tokens.long(), nxt, slot, row_keys(seeds, counts + 1), counts + 1]
+        )
+        old = torch.stack([ids, pos, slots, keys, counts])
+        new = torch.where(real, fresh, old)
+        for i, j in enumerate((0, 1, 2, 4, 8)):
+            self._static[j, :n].copy_(new[i])
 
     def decode(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed one token per sequence and sample the next: logits ``(B, V)``, sampled ``(2, B)``.
 
         Args:
-            meta: ``(7, B)`` CPU int64 rows (:data:`DECODE_META`): the fed token, its position,
+            meta: ``(9, B)`` CPU int64 rows (:data:`DECODE_META`): the fed token, its position,
                 its KV slot, the block-table row, the sampling noise key, ``1 / T`` as float32
-                bits and the greedy flag. Copied to the device in one transfer; sampling is
-                part of the captured graph.
+                bits, the greedy flag, the sampling seed and the count of tokens sampled so
+                far. Copied to the device in one transfer; sampling is part of the captured
+                graph.
         """
         n = meta.shape[1]
         if self._static is None:
@@ -303,7 +331,8 @@ class PagedRunner:
                 self._static.shape, dtype=torch.int64, pin_memory=self.cuda_graphs
             )
             self._pad = torch.tensor(
-                [[0], [0], [0], [self.scratch_row], [0], [_ONE_BITS], [1]], dtype=torch.int64
+                [[0], [0], [0], [self.scratch_row], [0], [_ONE_BITS], [1], [0], [0]],
+                dtype=torch.int64,
             )
         bucket = next(b for b in self.buckets if b >= n) if self.cuda_graphs else n
         host = self._host[:, :bucket]
@@ -317,6 +346,27 @@ class PagedRunner:
         graph, logits, sampled = self._graphs[bucket]
         graph.replay()
         return logits[:n], sampled[:, :n]
+
+    def decode_many(self, meta: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` decode steps from one copy of ``meta``: sampled ``(steps, 2, B)`` float64.
+
+        Each step feeds the token the previous one sampled (see :meth:`_advance`); the caller
+        must have given every row the pages its next ``steps`` positions need, and no row may
+        truncate (top-k/top-p is sampled outside the graph).
+        """
+        n = meta.shape[1]
+        out = torch.empty(steps, 2, n, dtype=torch.float64, device=self.device)
+        _, sampled = self.decode(meta)
+        out[0].copy_(sampled)
+        for i in range(1, steps):
+            if self.cuda_graphs:
+                bucket = next(b for b in self.buckets if b >= n)
+                self._graphs[bucket][0].replay()
+                sampled = self._graphs[bucket][2][:, :n]
+            else:
+                sampled = self._decode_body(n)[1]
+            out[i].copy_(sampled)
+        return out
 
     def _capture(self, bucket: int) -> None:
         """Capture the decode step of ``bucket`` rows (after warm-up runs on a side stream)."""
