@@ -120,7 +120,7 @@ class GpuBusy:
         return sum(self.samples) / len(self.samples) if self.samples else float("nan")
 
 
-def agentrl_loop(name: str, steps: int, warmup: int) -> dict[str, Any]:
+def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time."""
     from agentrl.loop.trainer import Trainer
 
@@ -142,7 +142,7 @@ def agentrl_loop(name: str, steps: int, warmup: int) -> dict[str, Any]:
                     **({"attention_kernel": "triton", "compile": True,
                         "selective_recompute": True} if bf16 else {})},
         "train": {"steps": steps + warmup, "tasks_per_step": w["tasks"], "eval_every": 0,
-                  "max_staleness": 1},
+                  "max_staleness": staleness},
     })  # fmt: skip
     trainer = Trainer(config)
     busy = GpuBusy()
@@ -241,6 +241,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--response-tokens", type=int, default=256, help="qwen3-0.6b responses")
     ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--max-staleness", type=int, default=1, help="0: generate, then update")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("loop_gpu.py needs a CUDA device")
@@ -248,7 +249,7 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
-        ours = agentrl_loop(name, a.steps, a.warmup)
+        ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness)
         torch.cuda.empty_cache()
         trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
         torch.cuda.empty_cache()
