@@ -31,6 +31,7 @@ import aiohttp
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.client_control import ControlPlane
 from agentrl.inference.endpoints import (
     Active,
     Endpoint,
@@ -41,7 +42,6 @@ from agentrl.inference.endpoints import (
 )
 from agentrl.inference.sglang_api import (
     aborted_output,
-    check_update_response,
     error_text,
     parse_generate_response,
     warn_if_truncating,
@@ -50,7 +50,7 @@ from agentrl.inference.sglang_api import (
 logger = logging.getLogger(__name__)
 
 
-class SGLangClient:
+class SGLangClient(ControlPlane):
     """An :class:`~agentrl.inference.base.InferenceClient` for one or more SGLang servers.
 
     Args:
@@ -387,82 +387,6 @@ class SGLangClient:
                 )
             except ServerError as exc:  # a dead endpoint fails the generate itself
                 logger.debug("abort of %s not delivered: %s", rid, exc)
-
-    async def _broadcast(
-        self, path: str, payload: dict[str, Any] | None, *, method: str = "POST"
-    ) -> dict[str, bytes]:
-        """Call ``path`` on every endpoint in rotation; endpoints that fail leave the rotation.
-
-        Raises:
-            ServerError: a 4xx from any endpoint, or no endpoint answered.
-        """
-        eps = [ep for ep in self._endpoints if ep.healthy]
-        results = await asyncio.gather(
-            *(self._call(ep, method, path, payload) for ep in eps), return_exceptions=True
-        )
-        bodies: dict[str, bytes] = {}
-        for ep, result in zip(eps, results, strict=True):
-            if isinstance(result, ServerError) and result.status is not None:
-                raise result
-            if isinstance(result, BaseException):
-                logger.warning("%s on %s failed: %s", path, ep.url, result)
-                continue
-            bodies[ep.url] = result
-        if not bodies:
-            raise ServerError(f"{path}: no endpoint answered", endpoint=", ".join(self.endpoints))
-        return bodies
-
-    async def pause(self, mode: str = "abort") -> None:
-        """``/pause_generation`` on every endpoint (``"abort"``, ``"retract"``, ``"in_place"``)."""
-        await self._broadcast("/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> None:
-        """``/continue_generation`` on every endpoint."""
-        await self._broadcast("/continue_generation", {})
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        """Load ``model_path`` (visible to the servers) on every endpoint as ``weight_version``.
-
-        An endpoint that is out of rotation, or drops out during the call, gets the same
-        weights when its health check passes.
-
-        Raises:
-            ServerError: an endpoint refused the update (``success: false``), or none took it.
-        """
-        label = str(weight_version)
-        eps = [ep for ep in self._endpoints if ep.healthy]
-        results = await asyncio.gather(
-            *(self._update_one(ep, model_path, label) for ep in eps), return_exceptions=True
-        )
-        if any(result is None for result in results):
-            self._last_update = (model_path, label)
-        refused = [r for r in results if isinstance(r, ServerError) and r.status is not None]
-        if refused:
-            raise ServerError(
-                f"weight update to {model_path!r} failed: {refused[0]}",
-                endpoint=refused[0].endpoint,
-            )
-        if not any(result is None for result in results):
-            raise ServerError(
-                f"weight update to {model_path!r}: no endpoint answered ({results})",
-                endpoint=", ".join(self.endpoints),
-            )
-
-    async def _update_one(self, ep: Endpoint, model_path: str, label: str) -> None:
-        payload = {"model_path": model_path, "weight_version": label}
-        check_update_response(
-            await self._call(ep, "POST", "/update_weights_from_disk", payload), ep.url
-        )
-
-    async def flush_cache(self) -> bool:
-        """``/flush_cache`` on every endpoint; False if one refused (busy: requests open)."""
-        try:
-            await self._broadcast("/flush_cache", None)
-        except ServerError as exc:
-            if exc.status == 400:
-                return False
-            raise
-        return True
 
     async def health(self) -> bool:
         """Probe every endpoint now; True if at least one is in rotation afterwards."""
