@@ -40,6 +40,7 @@ from agentrl.inference.endpoints import (
     Stalled,
     backoff_delay,
 )
+from agentrl.inference.routing_records import FLAG, from_wire
 from agentrl.inference.sglang_api import (
     aborted_output,
     error_text,
@@ -66,6 +67,9 @@ class SGLangClient(ControlPlane):
         health_timeout_s: time a health probe may take.
         max_connections: connection pool size (0: unlimited).
         max_sessions: sticky session ids remembered (least recently used are forgotten).
+        routed_experts_shape: ``(layers, top_k)`` of the served MoE model, to shape
+            ``meta_info.routed_experts``; default: read from the endpoint's ``/model_info``
+            (``agentrl serve`` reports it; SGLang does not, so pass it there).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class SGLangClient(ControlPlane):
         health_timeout_s: float = 5.0,
         max_connections: int = 1024,
         max_sessions: int = 100_000,
+        routed_experts_shape: tuple[int, int] | None = None,
     ) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not urls:
@@ -102,6 +107,8 @@ class SGLangClient(ControlPlane):
         self._active: dict[str, Active] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_update: tuple[str, str] | None = None
+        self._routed_shape = routed_experts_shape
+        self._routed_shapes: dict[str, tuple[int, int]] = {}  # read from each /model_info
 
     @property
     def endpoints(self) -> list[str]:
@@ -234,8 +241,12 @@ class SGLangClient(ControlPlane):
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateOutput:
         """``/generate`` with ``input_ids``; returns new ids, log-probs, per-token versions.
+
+        ``return_routed_experts`` asks for ``routed_experts`` (the server needs SGLang's
+        ``--enable-return-routed-experts``); they are decoded whenever the server sends them.
 
         Raises:
             ServerError: a 4xx or malformed response (no retry), or no endpoint could serve the
@@ -250,6 +261,8 @@ class SGLangClient(ControlPlane):
             "sampling_params": params.to_sglang(),
             "return_logprob": True,
         }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         active = self._active[rid] = Active(server_rid=rid)
         try:
             return await self._generate(body, rid, session_id, active)
@@ -312,11 +325,44 @@ class SGLangClient(ControlPlane):
                         rid=active.server_rid,
                         status=200,
                     ) from None
-                return parse_generate_response(
+                out = parse_generate_response(
                     data, endpoint=ep.url, server_rid=active.server_rid, rid=rid
+                )
+                return await self._routed(
+                    ep, data["meta_info"], out, "return_routed_experts" in body
                 )
             self._pool.mark_down(ep, errors[-1])
             tried.add(ep.url)
+
+    async def _routed(
+        self, ep: Endpoint, meta: dict[str, Any], out: GenerateOutput, asked: bool
+    ) -> GenerateOutput:
+        """``out`` with ``meta_info.routed_experts`` decoded (asked for and missing: an error)."""
+        text = meta.get("routed_experts")
+        if text is None and (not asked or out.finish_reason == "abort"):
+            return out  # (an aborted request may come back without them)
+        shape = self._routed_shape or self._routed_shapes.get(ep.url)
+        if shape is None and isinstance(text, str):
+            try:  # agentrl serve reports the shape; SGLang does not (pass it to the client)
+                info = json.loads(await self._request(ep, "GET", "/model_info"))
+                layers, top_k = info["routed_experts_shape"]
+                shape = self._routed_shapes[ep.url] = (int(layers), int(top_k))
+            except (Retryable, ServerError, ValueError, TypeError, KeyError):
+                pass
+        try:
+            if not isinstance(text, str):
+                raise ValueError(f"expected base64 text (is the server started with {FLAG}?)")
+            if shape is None:
+                raise ValueError("(layers, top_k) unknown: pass SGLangClient(routed_experts_shape)")
+            out.routed_experts = from_wire(text, out.prompt_tokens + len(out.output_ids) - 1, shape)
+        except ValueError as exc:
+            raise ServerError(
+                f"malformed /generate response: meta_info.routed_experts: {exc}",
+                endpoint=ep.url,
+                rid=out.meta.get("server_rid"),
+                status=200,
+            ) from None
+        return out
 
     async def _post_generate(self, ep: Endpoint, payload: dict[str, Any]) -> bytes:
         """``/generate`` on ``ep``, watched for stalls (see the module docstring).

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.errors import ConfigError
 from agentrl.routing import RoutingCapture, is_moe, routing_shape
 
 StepRows = list[tuple["RequestRouting", int, np.ndarray]]
@@ -57,13 +58,13 @@ def records_routing(model: Any, requested: bool | None, *, paged: bool) -> bool:
     """Whether an engine records routing: ``requested``, or by default for an MoE model.
 
     Raises:
-        ValueError: recording was requested for a dense model or on the paged path.
+        ConfigError: recording was requested for a dense model or on the paged path.
     """
     if requested is None:
         return is_moe(model) and not paged
     if requested and (paged or not is_moe(model)):
         why = "the paged path records no routing" if paged else refusal(model, enabled=True)
-        raise ValueError(f"return_routed_experts: {why}")
+        raise ConfigError(f"return_routed_experts: {why}")
     return requested
 
 
@@ -165,14 +166,13 @@ def from_wire(text: str, rows: int, shape: tuple[int, int]) -> np.ndarray:
     try:
         raw = base64.b64decode(text, validate=True)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"routed_experts: not base64 ({exc})") from None
+        raise ValueError(f"not base64 ({exc})") from None
     flat = np.frombuffer(raw, dtype="<i4") if len(raw) % 4 == 0 else None
     layers, top_k = shape
     if flat is None or len(flat) != rows * layers * top_k:
         raise ValueError(
-            f"routed_experts: {len(raw)} bytes do not hold {rows} rows x {layers} layers x "
-            f"{top_k} experts of int32"
+            f"{len(raw)} bytes do not hold {rows} rows x {layers} layers x {top_k} experts of int32"
         )
     if len(flat) and (flat.min() < -1 or flat.max() > np.iinfo(np.int16).max):
-        raise ValueError(f"routed_experts: expert ids out of range [{flat.min()}, {flat.max()}]")
+        raise ValueError(f"expert ids out of range [{flat.min()}, {flat.max()}]")
     return flat.astype(np.int16).reshape(rows, layers, top_k)

@@ -46,6 +46,7 @@ class GenerateItem:
     logprob_start_len: int
     return_text_in_logprobs: bool
     return_prompt_token_ids: bool
+    return_routed_experts: bool = False
 
 
 async def json_body(request: web.Request, default: Any = None) -> Any:
@@ -157,6 +158,7 @@ async def parse_generate(
     expect(logprob, bool, "a boolean")
     expect(starts, int, "i64")
     flags = [body.get("return_text_in_logprobs"), body.get("return_prompt_token_ids")]
+    flags.append(body.get("return_routed_experts"))  # top-level, not a sampling param
     expect([f for f in flags if f is not None], bool, "a boolean")
     prompts = await tokenize(tokenizer, sources) if is_text else sources
     if not prompts or any(len(p) == 0 for p in prompts):
