@@ -225,7 +225,8 @@ def test_serve_refuses_the_flag_for_a_dense_model() -> None:
         [*cmd, "--enable-return-routed-experts"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2
-    assert "return_routed_experts: Qwen3ForCausalLM is a dense model" in done.stderr
+    line = "agentrl: error: return_routed_experts: Qwen3ForCausalLM is a dense model"
+    assert done.stderr.startswith(line)
     assert "Traceback" not in done.stderr
 
 

@@ -26,6 +26,8 @@ Design:
   sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
 - **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
   arriving, so the requests re-sent after a weight update are prefilled in one forward.
+- **Routing records.** On an MoE model a request may ask for the experts each of its tokens was
+  routed to (SGLang's ``return_routed_experts``; :mod:`~agentrl.inference.routing_records`).
 - **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
   reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
   ``kv_cache.py``, ``sampling.py``). Elsewhere (or ``paged=False``) transformers' forward over a

@@ -62,9 +62,11 @@ def records_routing(model: Any, requested: bool | None, *, paged: bool) -> bool:
     """
     if requested is None:
         return is_moe(model) and not paged
-    if requested and (paged or not is_moe(model)):
-        why = "the paged path records no routing" if paged else refusal(model, enabled=True)
-        raise ConfigError(f"return_routed_experts: {why}")
+    dense = refusal(model, enabled=True)
+    if requested and dense:
+        raise ConfigError(dense)
+    if requested and paged:
+        raise ConfigError("return_routed_experts: the paged path records no routing")
     return requested
 
 
