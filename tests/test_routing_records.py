@@ -116,6 +116,24 @@ async def test_abort_keeps_its_rows_and_queued_requests_have_none(models) -> Non
     assert (waited.routed_experts == -1).all()  # rows never computed route freely in replay
 
 
+async def test_start_len_leaves_the_rows_known_already_out(models) -> None:
+    engine = engine_moe()
+    prompt = [1, 5, 6, 7, 8, 9]
+    out = await engine.generate(
+        prompt, params(4), return_routed_experts=True, routed_experts_start_len=4
+    )
+    got = out.routed_experts
+    assert got is not None and got.shape == (len(prompt) + 4 - 1, LAYERS, TOP_K)
+    assert (got[:4] == -1).all()
+    np.testing.assert_array_equal(got[4:], teacher(models[0], prompt + out.output_ids)[4:])
+    with pytest.raises(ServerError, match="routed_experts_start_len=7 is higher") as info:
+        await engine.generate(
+            prompt, params(2), return_routed_experts=True, routed_experts_start_len=7
+        )
+    assert info.value.status == 400
+    await engine.aclose()
+
+
 async def test_retract_keeps_the_rows_of_the_weights_that_sampled(models) -> None:
     engine = engine_moe()
     prompt = [1, 5, 6, 7, 8]
@@ -177,11 +195,25 @@ async def test_server_to_client_round_trip(tiny_server_factory, models) -> None:
     np.testing.assert_array_equal(flat.reshape(rows, LAYERS, TOP_K), want)
     status, raw = await post(server.url, body)
     assert status == 200 and "routed_experts" not in raw["meta_info"]  # only when asked
+    tail = body | {"return_routed_experts": True, "routed_experts_start_len": 4}
+    status, raw = await post(server.url, tail)
+    flat = np.frombuffer(base64.b64decode(raw["meta_info"]["routed_experts"]), dtype="<i4")
+    want = teacher(models[0], prompt + raw["output_ids"])
+    np.testing.assert_array_equal(flat.reshape(-1, LAYERS, TOP_K), want[4:])  # rows [4, n - 1)
+    status, raw = await post(server.url, tail | {"routed_experts_start_len": -1})
+    assert status == 400 and "is lower than 0" in raw["error"]["message"]
 
     for shape in (None, (LAYERS, TOP_K)):  # read from /model_info, or given
         async with SGLangClient(server.url, routed_experts_shape=shape) as client:
             out = await client.generate(prompt, params(9), return_routed_experts=True)
             plain = await client.generate(prompt, params(3))
+            part = await client.generate(
+                prompt, params(5), return_routed_experts=True, routed_experts_start_len=6
+            )
+        assert part.routed_experts is not None and (part.routed_experts[:6] == -1).all()
+        np.testing.assert_array_equal(
+            part.routed_experts[6:], teacher(models[0], prompt + part.output_ids)[6:]
+        )
         assert out.routed_experts is not None and out.routed_experts.dtype == np.int16
         np.testing.assert_array_equal(
             out.routed_experts, teacher(models[0], prompt + out.output_ids)
@@ -247,15 +279,35 @@ def rollout_config(**kw: Any) -> RolloutConfig:
     return RolloutConfig(**{**base, "ignore_eos": True, **kw})
 
 
+class Asks:
+    """The engine, with the routing arguments of every generate call."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        self.inner, self.asked = inner, list[tuple[int, dict[str, Any]]]()
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, **kw: Any) -> Any:
+        self.asked.append((len(input_ids), {k: v for k, v in kw.items() if "routed" in k}))
+        return await self.inner.generate(input_ids, params, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 async def test_multi_turn_episode_rows_and_jsonl_round_trip(models, tmp_path) -> None:
     engine = engine_moe()
-    rollout = RolloutEngine(engine, engine.tokenizer, rollout_config())
+    client = Asks(engine)
+    rollout = RolloutEngine(client, engine.tokenizer, rollout_config())
     assert rollout.routed  # default: on, because the embedded engine records routing
     task = Task(id="t", prompt="Count with me.", data={"turns": 3})
     sink = JsonlSink(tmp_path / "rollouts.jsonl")
     (group,) = await rollout.run_groups(Turns, [task], sink=sink)
     sink.close()
     await engine.aclose()
+    # Later turns ask only for the rows after those known: prompt + earlier turns' rows.
+    starts = sorted(kw["routed_experts_start_len"] for _, kw in client.asked)
+    assert starts[:2] == [0, 0] and all(s > 0 for s in starts[2:]) and len(starts) == 6
+    for n_input, kw in client.asked:
+        assert kw["return_routed_experts"] and kw["routed_experts_start_len"] <= n_input
     for t in group.trajectories:
         assert not t.failed and t.finish_reason == "max_turns"
         assert [s.kind for s in t.turns] == ["assistant", "observation"] * 3

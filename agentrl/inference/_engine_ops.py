@@ -126,6 +126,7 @@ class ModelRunner:
         batch.positions = batch.positions + 1
         return logits
 
+    @torch.inference_mode()
     def score(self, ids: list[int], temperature: float) -> list[float]:
         """Teacher-forced ``log_softmax(logits / T)`` of ``ids[1:]`` (one forward pass)."""
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)

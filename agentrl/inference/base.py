@@ -101,10 +101,12 @@ class InferenceClient(Protocol):
         rid: str | None = None,
         session_id: str | None = None,
         return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> GenerateOutput:
         """Continue ``input_ids``; ``session_id`` keeps an episode's turns on one endpoint.
 
-        ``return_routed_experts`` asks an MoE backend for ``GenerateOutput.routed_experts``.
+        ``return_routed_experts`` asks an MoE backend for ``GenerateOutput.routed_experts``;
+        the rows before ``routed_experts_start_len`` (known already) are not sent, and are -1.
         """
         ...
 

@@ -242,10 +242,12 @@ class SGLangClient(ControlPlane):
         rid: str | None = None,
         session_id: str | None = None,
         return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> GenerateOutput:
         """``/generate`` with ``input_ids``; returns new ids, log-probs, per-token versions.
 
-        ``return_routed_experts`` asks for ``routed_experts`` (the server needs SGLang's
+        ``return_routed_experts`` asks for ``routed_experts`` from row
+        ``routed_experts_start_len`` on (the rows before it are -1; the server needs SGLang's
         ``--enable-return-routed-experts``); they are decoded whenever the server sends them.
 
         Raises:
@@ -263,6 +265,8 @@ class SGLangClient(ControlPlane):
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = routed_experts_start_len
         active = self._active[rid] = Active(server_rid=rid)
         try:
             return await self._generate(body, rid, session_id, active)
@@ -328,18 +332,21 @@ class SGLangClient(ControlPlane):
                 out = parse_generate_response(
                     data, endpoint=ep.url, server_rid=active.server_rid, rid=rid
                 )
-                return await self._routed(
-                    ep, data["meta_info"], out, "return_routed_experts" in body
-                )
+                return await self._routed(ep, data["meta_info"], out, body)
             self._pool.mark_down(ep, errors[-1])
             tried.add(ep.url)
 
     async def _routed(
-        self, ep: Endpoint, meta: dict[str, Any], out: GenerateOutput, asked: bool
+        self, ep: Endpoint, meta: dict[str, Any], out: GenerateOutput, body: dict[str, Any]
     ) -> GenerateOutput:
-        """``out`` with ``meta_info.routed_experts`` decoded (asked for and missing: an error)."""
+        """``out`` with ``meta_info.routed_experts`` decoded (the rows ``body`` asked for).
+
+        A response to a request that asked, without them, is malformed (unless aborted).
+        """
+        asked = body.get("return_routed_experts", False)
+        start = body.get("routed_experts_start_len", 0) if asked else None
         text = meta.get("routed_experts")
-        if text is None and (not asked or out.finish_reason == "abort"):
+        if text is None and (start is None or out.finish_reason == "abort"):
             return out  # (an aborted request may come back without them)
         shape = self._routed_shape or self._routed_shapes.get(ep.url)
         if shape is None and isinstance(text, str):
@@ -354,7 +361,8 @@ class SGLangClient(ControlPlane):
                 raise ValueError(f"expected base64 text (is the server started with {FLAG}?)")
             if shape is None:
                 raise ValueError("(layers, top_k) unknown: pass SGLangClient(routed_experts_shape)")
-            out.routed_experts = from_wire(text, out.prompt_tokens + len(out.output_ids) - 1, shape)
+            rows = out.prompt_tokens + len(out.output_ids) - 1
+            out.routed_experts = from_wire(text, rows, shape, start=start or 0)
         except ValueError as exc:
             raise ServerError(
                 f"malformed /generate response: meta_info.routed_experts: {exc}",

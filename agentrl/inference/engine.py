@@ -26,8 +26,7 @@ Design:
   sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
 - **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
   arriving, so the requests re-sent after a weight update are prefilled in one forward.
-- **Routing records.** On an MoE model a request may ask for the experts each of its tokens was
-  routed to (SGLang's ``return_routed_experts``; :mod:`~agentrl.inference.routing_records`).
+- **Routing records** of MoE models, per request: :mod:`~agentrl.inference.routing_records`.
 - **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
   reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
   ``kv_cache.py``, ``sampling.py``). Elsewhere (or ``paged=False``) transformers' forward over a
@@ -181,7 +180,6 @@ class LocalEngine:
 
         On CUDA a model directory loads in bfloat16 unless ``dtype`` says otherwise; on CPU in
         float32, so that sampled and recomputed log-probs agree to float tolerance.
-        ``return_routed_experts`` is the constructor's.
         """
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_model(path_or_preset, device, dtype)
@@ -258,11 +256,13 @@ class LocalEngine:
         rid: str | None = None,
         session_id: str | None = None,
         return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> GenerateOutput:
         """Continue ``input_ids``; returns the new tokens, their log-probs and versions.
 
         ``session_id`` is accepted for protocol compatibility (there is one engine).
-        ``return_routed_experts``: fill ``routed_experts`` (see :attr:`return_routed_experts`).
+        ``return_routed_experts``: fill ``routed_experts`` (see :attr:`return_routed_experts`)
+        from row ``routed_experts_start_len`` on (SGLang's; the rows before it are -1).
 
         Raises:
             ServerError: with status 400 for an empty or over-long prompt, an out-of-vocabulary
@@ -271,7 +271,8 @@ class LocalEngine:
         """
         self._ensure_started()
         rid = rid if rid is not None else uuid.uuid4().hex
-        self.check_request(input_ids, params, rid, routed=return_routed_experts)
+        routed = routed_experts_start_len if return_routed_experts else -1
+        self.check_request(input_ids, params, rid, routed=routed)
         warn_if_truncating(params)
         generator = None
         if params.seed is not None:
@@ -280,8 +281,8 @@ class LocalEngine:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
         future: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
         req = Request(rid, list(input_ids), params, future, stop, generator)
-        if return_routed_experts and self._batcher.routing is not None:
-            req.routing = self._batcher.routing.new_request(len(input_ids), params.max_new_tokens)
+        if routed >= 0 and self._batcher.routing is not None:
+            req.routing = self._batcher.routing.new_request(len(input_ids), params, routed)
         if params.max_new_tokens == 0:  # prefill-only in SGLang: nothing to sample
             return self._batcher.output(req, "length", None, "")
         self._batcher.submit(req)
@@ -424,11 +425,7 @@ class LocalEngine:
         self._ensure_started()
         self.check_request(input_ids, SamplingParams(max_new_tokens=0), rid=None)
         async with self._lock:
-            return await asyncio.to_thread(self._score, list(input_ids), temperature or 1.0)
-
-    def _score(self, ids: list[int], temperature: float) -> list[float]:
-        with torch.inference_mode():
-            return self._runner.score(ids, temperature)
+            return await asyncio.to_thread(self._runner.score, list(input_ids), temperature or 1.0)
 
     # ---- request bookkeeping (event loop only) ------------------------------------------------
 
@@ -450,10 +447,13 @@ class LocalEngine:
             self._wake.set()
 
     def check_request(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None, *, routed: bool = False
+        self, input_ids: list[int], params: SamplingParams, rid: str | None, *, routed: int = -1
     ) -> None:
-        """Raise the 400 ``ServerError`` that ``generate`` would raise for this request, if any."""
-        why = refusal(self.model, self.return_routed_experts) if routed else None
+        """Raise the 400 ``ServerError`` that ``generate`` would raise for this request, if any.
+
+        ``routed >= 0``: it asks for routed experts from that row on (``routed_experts_start_len``).
+        """
+        why = refusal(self.model, self.return_routed_experts, routed, len(input_ids))
         why = why or request_problem(
             input_ids, params, rid, self._vocab, self.max_model_len, self._requests
         )

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from agentrl.errors import ConfigError
+from agentrl.inference.base import SamplingParams
 from agentrl.routing import RoutingCapture, is_moe, routing_shape
 
 StepRows = list[tuple["RequestRouting", int, np.ndarray]]
@@ -41,8 +42,14 @@ FLAG = "--enable-return-routed-experts"
 """The server flag that turns routing records on (SGLang's name)."""
 
 
-def refusal(model: Any, enabled: bool) -> str | None:
-    """Why a request for routed experts is refused (``None``: it is served)."""
+def refusal(model: Any, enabled: bool, start: int = 0, prompt_len: int = 0) -> str | None:
+    """Why a request for routed experts from row ``start`` is refused (``None``: served).
+
+    ``start < 0``: the request does not ask (nothing to refuse). SGLang accepts a
+    ``routed_experts_start_len`` in ``[0, prompt_tokens]``.
+    """
+    if start < 0:
+        return None
     if not is_moe(model):
         name = type(model).__name__
         return f"return_routed_experts: {name} is a dense model (no MoE router): no experts"
@@ -50,6 +57,11 @@ def refusal(model: Any, enabled: bool) -> str | None:
         return (
             "return_routed_experts requested, but this server was started without "
             f"{FLAG} (the embedded engine: LocalEngine(..., return_routed_experts=True))"
+        )
+    if start > prompt_len:
+        return (
+            f"routed_experts_start_len={start} is higher than the number of input tokens "
+            f"{prompt_len}. Please use a smaller routed_experts_start_len."
         )
     return None
 
@@ -62,7 +74,7 @@ def records_routing(model: Any, requested: bool | None, *, paged: bool) -> bool:
     """
     if requested is None:
         return is_moe(model) and not paged
-    dense = refusal(model, enabled=True)
+    dense = None if is_moe(model) else refusal(model, enabled=True)
     if requested and dense:
         raise ConfigError(dense)
     if requested and paged:
@@ -73,11 +85,15 @@ def records_routing(model: Any, requested: bool | None, *, paged: bool) -> bool:
 class RequestRouting:
     """One request's rows ``(positions, layers, top_k)`` int16, in position order; grows."""
 
-    def __init__(self, layers: int, top_k: int, capacity: int) -> None:
-        """Room for ``capacity`` rows to begin with (it doubles when full)."""
+    def __init__(self, layers: int, top_k: int, capacity: int, start: int = 0) -> None:
+        """Room for ``capacity`` rows to begin with (it doubles when full).
+
+        ``start``: :meth:`array` leaves the rows before it at -1 (not asked for).
+        """
         self._buf = np.full((max(capacity, 1), layers, top_k), -1, dtype=np.int16)
         self.count = 0
         """Rows recorded: positions ``[0, count)``."""
+        self.start = start
 
     def record(self, start: int, rows: np.ndarray) -> None:
         """The rows of positions ``start, start + 1, ...``; positions recorded already keep theirs.
@@ -98,10 +114,10 @@ class RequestRouting:
         self.count = end
 
     def array(self, rows: int) -> np.ndarray:
-        """The first ``rows`` positions (a copy); any never computed is -1."""
+        """The first ``rows`` positions (a copy); any never computed, or before start, is -1."""
         out = np.full((max(rows, 0), *self._buf.shape[1:]), -1, dtype=np.int16)
         n = min(rows, self.count)
-        out[:n] = self._buf[:n]
+        out[self.start : n] = self._buf[self.start : n]
         return out
 
 
@@ -114,9 +130,10 @@ class RoutingRecorder:
         self._model = model
         self._capture = RoutingCapture(model)
 
-    def new_request(self, prompt_len: int, max_new_tokens: int) -> RequestRouting:
-        """An empty record for a request (room for its prompt and a first stretch of decode)."""
-        return RequestRouting(self.layers, self.top_k, prompt_len + min(max_new_tokens, 256))
+    def new_request(self, prompt_len: int, params: SamplingParams, start: int) -> RequestRouting:
+        """An empty record for a request that wants the rows from ``start`` on."""
+        room = prompt_len + min(params.max_new_tokens, 256)  # (it grows as needed)
+        return RequestRouting(self.layers, self.top_k, room, start)
 
     @contextmanager
     def step(
@@ -159,11 +176,14 @@ def to_wire(experts: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
 
 
-def from_wire(text: str, rows: int, shape: tuple[int, int]) -> np.ndarray:
+def from_wire(text: str, rows: int, shape: tuple[int, int], *, start: int = 0) -> np.ndarray:
     """The ``(rows, layers, top_k)`` int16 array of a wire ``routed_experts`` string.
 
+    The string holds the rows from ``start`` on (SGLang's ``routed_experts_start_len``); the
+    rows before it are -1.
+
     Raises:
-        ValueError: not base64, or its length does not fit ``rows`` x ``layers`` x ``top_k``.
+        ValueError: not base64, or its length is not ``rows - start`` rows of ``shape``.
     """
     try:
         raw = base64.b64decode(text, validate=True)
@@ -171,10 +191,13 @@ def from_wire(text: str, rows: int, shape: tuple[int, int]) -> np.ndarray:
         raise ValueError(f"not base64 ({exc})") from None
     flat = np.frombuffer(raw, dtype="<i4") if len(raw) % 4 == 0 else None
     layers, top_k = shape
-    if flat is None or len(flat) != rows * layers * top_k:
+    sent = max(rows - start, 0)
+    if flat is None or len(flat) != sent * layers * top_k:
         raise ValueError(
-            f"{len(raw)} bytes do not hold {rows} rows x {layers} layers x {top_k} experts of int32"
+            f"{len(raw)} bytes do not hold {sent} rows x {layers} layers x {top_k} experts of int32"
         )
     if len(flat) and (flat.min() < -1 or flat.max() > np.iinfo(np.int16).max):
         raise ValueError(f"expert ids out of range [{flat.min()}, {flat.max()}]")
-    return flat.astype(np.int16).reshape(rows, layers, top_k)
+    out = np.full((max(rows, 0), layers, top_k), -1, dtype=np.int16)
+    out[len(out) - sent :] = flat.reshape(sent, layers, top_k)
+    return out

@@ -142,9 +142,7 @@ class EngineServer:
             if len({item.rid for item in items}) < len(items):
                 raise RequestError("Duplicate request ID detected: rids repeat within the batch")
             for item in items:  # reject before anything of this call starts running
-                self.engine.check_request(
-                    item.input_ids, item.params, item.rid, routed=item.return_routed_experts
-                )
+                self.engine.check_request(item.input_ids, item.params, item.rid, routed=item.routed)
         except ContractError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         except (RequestError, ServerError) as exc:
@@ -175,6 +173,7 @@ class EngineServer:
             item.params,
             rid=item.rid,
             return_routed_experts=item.return_routed_experts,
+            routed_experts_start_len=item.routed_experts_start_len,
         )
         return self._response(item, out, prompt_entries)
 
@@ -212,8 +211,8 @@ class EngineServer:
                 for lp, t, s in zip(out.logprobs, out.output_ids, texts, strict=True)
             ]
             meta["output_token_logprobs_length"] = len(out.output_ids)
-        if item.return_routed_experts and out.routed_experts is not None:
-            meta["routed_experts"] = to_wire(out.routed_experts)  # SGLang's: base64 int32
+        if item.routed >= 0 and out.routed_experts is not None:  # SGLang's: base64 int32
+            meta["routed_experts"] = to_wire(out.routed_experts[item.routed :])
         response: dict[str, Any] = {"text": text, "output_ids": out.output_ids, "meta_info": meta}
         if item.return_prompt_token_ids:
             response["prompt_token_ids"] = item.input_ids

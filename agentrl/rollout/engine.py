@@ -325,7 +325,9 @@ class RolloutEngine:
                     self._at_gate -= 1
             epoch = self._epoch
             rid[0] = turn_id if attempt == 0 else f"{turn_id}.r{attempt}"
-            routed: dict[str, Any] = {"return_routed_experts": True} if self.routed else {}
+            routed: dict[str, Any] = {}
+            if self.routed:  # the rows known already are not sent again
+                routed = dict(return_routed_experts=True, routed_experts_start_len=ep.routed_rows)
             out = await self.client.generate(
                 ep.tokens + ids,
                 replace(

@@ -97,6 +97,14 @@ class EpisodeState:
         merged[:n] = np.where(known[:, None, None], self.routing[:n], experts[:n])
         self.routing = merged
 
+    @property
+    def routed_rows(self) -> int:
+        """Leading rows of :attr:`routing` that are known (computed by some call)."""
+        if self.routing is None:
+            return 0
+        unknown = np.flatnonzero((self.routing < 0).any(axis=(1, 2)))
+        return int(unknown[0]) if len(unknown) else len(self.routing)
+
     def append_observation(self, ids: list[int]) -> None:
         """Append env/tool tokens (loss mask 0, no log-prob, version -1)."""
         n = len(self.tokens)
