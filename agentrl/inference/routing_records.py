@@ -5,6 +5,10 @@ A request that asks gets ``GenerateOutput.routed_experts``, an int16 array
 the model (the last sampled token is never fed back), the experts each MoE layer chose for it,
 in the router's top-k order. On the wire (``meta_info.routed_experts``) it is SGLang's layout:
 base64 of the int32 array, flattened by token, layer, top-k slot.
+``layers`` counts the model's routers (every decoder layer of Qwen3-MoE; SGLang sizes it by
+``num_hidden_layers``, the same there). A request may ask only for the rows from
+``routed_experts_start_len`` on (SGLang's; a multi-turn episode knows the earlier ones): the rows
+before it are -1 in ``GenerateOutput`` and not sent on the wire.
 
 How the embedded engine fills it (:class:`RoutingRecorder`, :class:`RequestRouting`):
 
