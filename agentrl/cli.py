@@ -30,7 +30,9 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "/update_weights_from_disk, /model_info, ...). '--model tiny' needs no download."
         ),
     )
-    parser.add_argument("--model", required=True, help="HF model directory, or the preset 'tiny'")
+    parser.add_argument(
+        "--model", required=True, help="HF model directory, or a preset ('tiny', 'tiny-moe')"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one")
     parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
@@ -39,6 +41,11 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--weight-version", default="default", help="label of the initial weights (SGLang's)"
     )
     parser.add_argument("--served-model-name", default=None, help="model id in /v1/models")
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="let requests ask for their routed experts (return_routed_experts; MoE models)",
+    )
     parser.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.set_defaults(func=_cmd_serve)
@@ -68,6 +75,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         on_ready=announce,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     return 0
 
@@ -92,9 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # only --section.key=value items are config overrides; anything else is a bad argument
-    bad = extra if not getattr(args, "accepts_overrides", False) else [
-        x for x in extra if "=" not in x
-    ]
+    bad = (
+        extra
+        if not getattr(args, "accepts_overrides", False)
+        else [x for x in extra if "=" not in x]
+    )
     if bad:
         parser.error(
             f"unrecognized arguments: {' '.join(bad)}"

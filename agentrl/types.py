@@ -8,8 +8,11 @@ length as ``tokens``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -63,6 +66,63 @@ class Timing(_Model):
     env_s: float = 0.0
 
 
+class RoutedExperts(_Model):
+    """The experts an MoE policy routed each token to, compactly (int16, base64).
+
+    Row ``i`` holds, for every MoE layer, the ``top_k`` experts that token ``tokens[i]`` was
+    routed to when it went through the engine (the last token is never fed back, so a
+    trajectory of ``n`` tokens has ``n - 1`` rows, aligned with ``tokens[:-1]``); ``-1`` marks
+    a row the engine never computed (observation tokens after the last turn). Use
+    :meth:`array` and :meth:`from_array` rather than ``data``.
+    """
+
+    layers: int = Field(ge=1)
+    """MoE layers (routers), in model order."""
+    top_k: int = Field(ge=1)
+    """Experts routed per token and layer."""
+    data: str = ""
+    """Base64 of the int16 little-endian array ``(rows, layers, top_k)``, flattened."""
+
+    @model_validator(mode="after")
+    def _whole_rows(self) -> RoutedExperts:
+        try:
+            size = len(base64.b64decode(self.data, validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"data: expected base64, got {self.data[:40]!r} ({exc})") from None
+        if size % (2 * self.layers * self.top_k):
+            raise ValueError(
+                f"data: {size} bytes are not whole rows of {self.layers} x {self.top_k} int16"
+            )
+        return self
+
+    @property
+    def rows(self) -> int:
+        """Rows held (tokens routed)."""
+        size = len(self.data) * 3 // 4 - self.data[-2:].count("=")
+        return size // (2 * self.layers * self.top_k)
+
+    def array(self) -> np.ndarray:
+        """The experts, int16 ``(rows, layers, top_k)`` (a new, writable array)."""
+        flat = np.frombuffer(base64.b64decode(self.data), dtype="<i2").astype(np.int16)
+        return flat.reshape(-1, self.layers, self.top_k)
+
+    @classmethod
+    def from_array(cls, experts: Any) -> RoutedExperts:
+        """Pack an integer array ``(rows, layers, top_k)`` of expert ids (``-1``: unknown)."""
+        arr = np.asarray(experts)
+        if arr.ndim != 3 or arr.shape[1] < 1 or arr.shape[2] < 1:
+            raise ValueError(f"experts: expected shape (rows, layers, top_k), got {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"experts: expected integer expert ids, got dtype {arr.dtype}")
+        if arr.size and (arr.min() < -1 or arr.max() > np.iinfo(np.int16).max):
+            raise ValueError(
+                f"experts: expected ids in [-1, 32767], got [{arr.min()}, {arr.max()}]"
+            )
+        packed = np.ascontiguousarray(arr, dtype="<i2").tobytes()
+        data = base64.b64encode(packed).decode("ascii")
+        return cls(layers=int(arr.shape[1]), top_k=int(arr.shape[2]), data=data)
+
+
 class Trajectory(_Model):
     """One episode: the token sequence, its per-token data, turns, rewards and outcome."""
 
@@ -96,6 +156,9 @@ class Trajectory(_Model):
     """``"Type: message"`` of the exception that failed this episode, else ``None``."""
     timing: Timing = Field(default_factory=Timing)
     info: dict[str, Any] = Field(default_factory=dict)
+    routed_experts: RoutedExperts | None = None
+    """MoE policies: the experts the engine routed each token to, one row per token of
+    ``tokens[:-1]`` (``rollout.return_routed_experts``); ``None`` otherwise."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Trajectory:
@@ -105,6 +168,11 @@ class Trajectory(_Model):
                 raise ValueError(
                     f"{name}: expected {n} entries (one per token), got {len(getattr(self, name))}"
                 )
+        if self.routed_experts is not None and self.routed_experts.rows != max(n - 1, 0):
+            raise ValueError(
+                f"routed_experts: expected {max(n - 1, 0)} rows (one per token but the last), "
+                f"got {self.routed_experts.rows}"
+            )
         return self
 
     @property

@@ -5,7 +5,6 @@
 - ``ModelRunner`` and ``BatchCache``: batched prefill and decode over one left-padded KV cache
   (select rows, merge newcomers), and teacher-forced scoring.
 - ``sample``: per-row sampling with SGLang's log-prob convention.
-- Loading HF safetensors weights into a live model, all or nothing.
 """
 
 from __future__ import annotations
@@ -16,16 +15,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import FinishType, GenerateOutput, SamplingParams
+from agentrl.inference.routing_records import RequestRouting, RoutingRecorder, StepRows
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +126,7 @@ class ModelRunner:
         batch.positions = batch.positions + 1
         return logits
 
+    @torch.inference_mode()
     def score(self, ids: list[int], temperature: float) -> list[float]:
         """Teacher-forced ``log_softmax(logits / T)`` of ``ids[1:]`` (one forward pass)."""
         input_ids = torch.tensor([ids], device=self.device)  # (1, T)
@@ -190,58 +190,6 @@ def sample(
     return tokens.tolist(), chosen.tolist()
 
 
-def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read every ``*.safetensors`` file of an HF-format model directory into one state dict.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a directory or holds no safetensors file.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model_path: expected a local HF model directory, got {path!r}")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model_path: no *.safetensors file in {str(folder)!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
-
-
-def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy ``state_dict`` into ``model`` after checking names and shapes (all or nothing)."""
-    own = model.state_dict()
-    unknown = sorted(set(state_dict) - set(own))
-    if unknown:
-        raise ValueError(f"weights: unexpected parameter names {unknown[:5]}")
-    given_ptrs = {own[k].data_ptr() for k in state_dict}
-    missing = [k for k in own if k not in state_dict and own[k].data_ptr() not in given_ptrs]
-    if missing:  # a tied weight (lm_head = embed_tokens) is covered by its twin
-        raise ValueError(f"weights: missing parameters {missing[:5]}")
-    for name, tensor in state_dict.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            want, got = tuple(own[name].shape), tuple(tensor.shape)
-            raise ValueError(f"weights: {name} expected shape {want}, got {got}")
-    with torch.no_grad():
-        for name, tensor in state_dict.items():
-            own[name].copy_(tensor)
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for value in (
-        getattr(gen_cfg, "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
-
-
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -263,6 +211,7 @@ class Request:
     kv_len: int = 0  # tokens whose keys and values are in ``pages``
     row: int = -1  # block-table row while it holds pages
     epoch: int = 0  # weights epoch its cache was computed with
+    routing: RequestRouting | None = None  # its routed experts, when it asked for them
 
     @property
     def done(self) -> bool:
@@ -324,6 +273,8 @@ class Batcher:
         self.batch: BatchCache | None = None
         self.stepping: set[int] = set()  # ids of the requests in the step being computed
         self.prefills = PrefillStats()
+        self.routing: RoutingRecorder | None = None  # set by an engine that records routing
+        self.step_rows: StepRows = []  # routing rows of the step computed, recorded at apply
 
     def weights_changed(self) -> None:
         """New weights are loaded (the paged batcher drops its cached prefixes)."""
@@ -354,6 +305,9 @@ class Batcher:
             weight_version=self.version(),
             prompt_tokens=len(req.prompt),
             matched_stop=matched,
+            routed_experts=None
+            if req.routing is None
+            else req.routing.array(len(req.prompt) + len(req.output_ids) - 1),
             meta={
                 "e2e_latency": time.perf_counter() - req.start,
                 "num_retractions": req.num_retractions,
@@ -428,7 +382,7 @@ class Batcher:
 
     def compute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """One step in the worker thread: drop finished rows, decode, prefill newcomers, sample."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._routing_step(plan) as self.step_rows:
             if plan.keep is not None:
                 self.batch = self.batch.select(plan.keep) if plan.keep and self.batch else None
             logits = []
@@ -445,8 +399,19 @@ class Batcher:
             params, generators = [r.params for r in reqs], [r.generator for r in reqs]
             return sample(torch.cat(logits), params, generators, self.generator)
 
+    def _routing_step(self, plan: StepPlan) -> AbstractContextManager[StepRows]:
+        """Capture the step's routing if a request in it asked (rows in the batch's order)."""
+        if self.routing is None:
+            return nullcontext([])
+        fed = [(r.routing, len(r.prompt) + len(r.output_ids) - 1) for r in plan.decode]
+        seqs = [(r.routing, len(r.prompt) + len(r.output_ids)) for r in plan.admit]
+        return self.routing.step(fed, seqs)
+
     def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
         """Record one token per row and finish the requests that stop or reach their length."""
+        for record, start, rows in self.step_rows:  # before any output is built
+            record.record(start, rows)
+        self.step_rows = []
         self.running = plan.decode + plan.admit  # the batch's row order
         self.stepping = set()
         for req, token, logprob in zip(self.running, tokens, logprobs, strict=True):
@@ -468,7 +433,7 @@ class Batcher:
     def fail(self, plan: StepPlan, exc: Exception) -> None:
         """A step raised: fail its requests with a 500 and drop the (maybe inconsistent) cache."""
         reqs = plan.decode + plan.admit
-        self.stepping = set()
+        self.stepping, self.step_rows = set(), []
         logger.exception("engine step failed; failing its %d requests", len(reqs))
         for req in reqs:
             if req.aborted is not None:  # its caller wanted it stopped anyway

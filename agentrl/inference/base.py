@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 FinishType = Literal["stop", "length", "abort"]
 
 
@@ -69,6 +71,9 @@ class GenerateOutput:
 
     ``output_ids``, ``logprobs`` and ``versions`` have one entry per new token; ``versions``
     holds the weight version that sampled each token (one request can span an update).
+    ``routed_experts`` (requests that asked, MoE models) is int16
+    ``(prompt_tokens + len(output_ids) - 1, layers, top_k)``: the experts every token fed
+    through the model was routed to (see :mod:`~agentrl.inference.routing_records`).
     """
 
     rid: str
@@ -81,6 +86,7 @@ class GenerateOutput:
     matched_stop: int | None = None
     endpoint: str = "local"
     meta: dict[str, Any] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
 
 
 @runtime_checkable
@@ -94,8 +100,14 @@ class InferenceClient(Protocol):
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> GenerateOutput:
-        """Continue ``input_ids``; ``session_id`` keeps an episode's turns on one endpoint."""
+        """Continue ``input_ids``; ``session_id`` keeps an episode's turns on one endpoint.
+
+        ``return_routed_experts`` asks an MoE backend for ``GenerateOutput.routed_experts``;
+        the rows before ``routed_experts_start_len`` (known already) are not sent, and are -1.
+        """
         ...
 
     async def abort(self, rid: str | None = None) -> None:

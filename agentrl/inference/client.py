@@ -31,6 +31,7 @@ import aiohttp
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.client_control import ControlPlane
 from agentrl.inference.endpoints import (
     Active,
     Endpoint,
@@ -39,9 +40,9 @@ from agentrl.inference.endpoints import (
     Stalled,
     backoff_delay,
 )
+from agentrl.inference.routing_records import FLAG, from_wire
 from agentrl.inference.sglang_api import (
     aborted_output,
-    check_update_response,
     error_text,
     parse_generate_response,
     warn_if_truncating,
@@ -50,7 +51,7 @@ from agentrl.inference.sglang_api import (
 logger = logging.getLogger(__name__)
 
 
-class SGLangClient:
+class SGLangClient(ControlPlane):
     """An :class:`~agentrl.inference.base.InferenceClient` for one or more SGLang servers.
 
     Args:
@@ -66,6 +67,9 @@ class SGLangClient:
         health_timeout_s: time a health probe may take.
         max_connections: connection pool size (0: unlimited).
         max_sessions: sticky session ids remembered (least recently used are forgotten).
+        routed_experts_shape: ``(layers, top_k)`` of the served MoE model, to shape
+            ``meta_info.routed_experts``; default: read from the endpoint's ``/model_info``
+            (``agentrl serve`` reports it; SGLang does not, so pass it there).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class SGLangClient:
         health_timeout_s: float = 5.0,
         max_connections: int = 1024,
         max_sessions: int = 100_000,
+        routed_experts_shape: tuple[int, int] | None = None,
     ) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not urls:
@@ -102,6 +107,8 @@ class SGLangClient:
         self._active: dict[str, Active] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_update: tuple[str, str] | None = None
+        self._routed_shape = routed_experts_shape
+        self._routed_shapes: dict[str, tuple[int, int]] = {}  # read from each /model_info
 
     @property
     def endpoints(self) -> list[str]:
@@ -234,8 +241,14 @@ class SGLangClient:
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> GenerateOutput:
         """``/generate`` with ``input_ids``; returns new ids, log-probs, per-token versions.
+
+        ``return_routed_experts`` asks for ``routed_experts`` from row
+        ``routed_experts_start_len`` on (the rows before it are -1; the server needs SGLang's
+        ``--enable-return-routed-experts``); they are decoded whenever the server sends them.
 
         Raises:
             ServerError: a 4xx or malformed response (no retry), or no endpoint could serve the
@@ -250,6 +263,10 @@ class SGLangClient:
             "sampling_params": params.to_sglang(),
             "return_logprob": True,
         }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = routed_experts_start_len
         active = self._active[rid] = Active(server_rid=rid)
         try:
             return await self._generate(body, rid, session_id, active)
@@ -312,11 +329,48 @@ class SGLangClient:
                         rid=active.server_rid,
                         status=200,
                     ) from None
-                return parse_generate_response(
+                out = parse_generate_response(
                     data, endpoint=ep.url, server_rid=active.server_rid, rid=rid
                 )
+                return await self._routed(ep, data["meta_info"], out, body)
             self._pool.mark_down(ep, errors[-1])
             tried.add(ep.url)
+
+    async def _routed(
+        self, ep: Endpoint, meta: dict[str, Any], out: GenerateOutput, body: dict[str, Any]
+    ) -> GenerateOutput:
+        """``out`` with ``meta_info.routed_experts`` decoded (the rows ``body`` asked for).
+
+        A response to a request that asked, without them, is malformed (unless aborted).
+        """
+        asked = body.get("return_routed_experts", False)
+        start = body.get("routed_experts_start_len", 0) if asked else None
+        text = meta.get("routed_experts")
+        if text is None and (start is None or out.finish_reason == "abort"):
+            return out  # (an aborted request may come back without them)
+        shape = self._routed_shape or self._routed_shapes.get(ep.url)
+        if shape is None and isinstance(text, str):
+            try:  # agentrl serve reports the shape; SGLang does not (pass it to the client)
+                info = json.loads(await self._request(ep, "GET", "/model_info"))
+                layers, top_k = info["routed_experts_shape"]
+                shape = self._routed_shapes[ep.url] = (int(layers), int(top_k))
+            except (Retryable, ServerError, ValueError, TypeError, KeyError):
+                pass
+        try:
+            if not isinstance(text, str):
+                raise ValueError(f"expected base64 text (is the server started with {FLAG}?)")
+            if shape is None:
+                raise ValueError("(layers, top_k) unknown: pass SGLangClient(routed_experts_shape)")
+            rows = out.prompt_tokens + len(out.output_ids) - 1
+            out.routed_experts = from_wire(text, rows, shape, start=start or 0)
+        except ValueError as exc:
+            raise ServerError(
+                f"malformed /generate response: meta_info.routed_experts: {exc}",
+                endpoint=ep.url,
+                rid=out.meta.get("server_rid"),
+                status=200,
+            ) from None
+        return out
 
     async def _post_generate(self, ep: Endpoint, payload: dict[str, Any]) -> bytes:
         """``/generate`` on ``ep``, watched for stalls (see the module docstring).
@@ -387,82 +441,6 @@ class SGLangClient:
                 )
             except ServerError as exc:  # a dead endpoint fails the generate itself
                 logger.debug("abort of %s not delivered: %s", rid, exc)
-
-    async def _broadcast(
-        self, path: str, payload: dict[str, Any] | None, *, method: str = "POST"
-    ) -> dict[str, bytes]:
-        """Call ``path`` on every endpoint in rotation; endpoints that fail leave the rotation.
-
-        Raises:
-            ServerError: a 4xx from any endpoint, or no endpoint answered.
-        """
-        eps = [ep for ep in self._endpoints if ep.healthy]
-        results = await asyncio.gather(
-            *(self._call(ep, method, path, payload) for ep in eps), return_exceptions=True
-        )
-        bodies: dict[str, bytes] = {}
-        for ep, result in zip(eps, results, strict=True):
-            if isinstance(result, ServerError) and result.status is not None:
-                raise result
-            if isinstance(result, BaseException):
-                logger.warning("%s on %s failed: %s", path, ep.url, result)
-                continue
-            bodies[ep.url] = result
-        if not bodies:
-            raise ServerError(f"{path}: no endpoint answered", endpoint=", ".join(self.endpoints))
-        return bodies
-
-    async def pause(self, mode: str = "abort") -> None:
-        """``/pause_generation`` on every endpoint (``"abort"``, ``"retract"``, ``"in_place"``)."""
-        await self._broadcast("/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> None:
-        """``/continue_generation`` on every endpoint."""
-        await self._broadcast("/continue_generation", {})
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        """Load ``model_path`` (visible to the servers) on every endpoint as ``weight_version``.
-
-        An endpoint that is out of rotation, or drops out during the call, gets the same
-        weights when its health check passes.
-
-        Raises:
-            ServerError: an endpoint refused the update (``success: false``), or none took it.
-        """
-        label = str(weight_version)
-        eps = [ep for ep in self._endpoints if ep.healthy]
-        results = await asyncio.gather(
-            *(self._update_one(ep, model_path, label) for ep in eps), return_exceptions=True
-        )
-        if any(result is None for result in results):
-            self._last_update = (model_path, label)
-        refused = [r for r in results if isinstance(r, ServerError) and r.status is not None]
-        if refused:
-            raise ServerError(
-                f"weight update to {model_path!r} failed: {refused[0]}",
-                endpoint=refused[0].endpoint,
-            )
-        if not any(result is None for result in results):
-            raise ServerError(
-                f"weight update to {model_path!r}: no endpoint answered ({results})",
-                endpoint=", ".join(self.endpoints),
-            )
-
-    async def _update_one(self, ep: Endpoint, model_path: str, label: str) -> None:
-        payload = {"model_path": model_path, "weight_version": label}
-        check_update_response(
-            await self._call(ep, "POST", "/update_weights_from_disk", payload), ep.url
-        )
-
-    async def flush_cache(self) -> bool:
-        """``/flush_cache`` on every endpoint; False if one refused (busy: requests open)."""
-        try:
-            await self._broadcast("/flush_cache", None)
-        except ServerError as exc:
-            if exc.status == 400:
-                return False
-            raise
-        return True
 
     async def health(self) -> bool:
         """Probe every endpoint now; True if at least one is in rotation afterwards."""

@@ -26,6 +26,7 @@ Design:
   sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
 - **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
   arriving, so the requests re-sent after a weight update are prefilled in one forward.
+- **Routing records** of MoE models, per request: :mod:`~agentrl.inference.routing_records`.
 - **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
   reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
   ``kv_cache.py``, ``sampling.py``). Elsewhere (or ``paged=False``) transformers' forward over a
@@ -44,18 +45,18 @@ from typing import Any, Literal
 import torch
 
 from agentrl.errors import ServerError
-from agentrl.inference._engine_ops import (
-    Batcher,
-    ModelRunner,
-    Request,
+from agentrl.inference._engine_ops import Batcher, ModelRunner, Request
+from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.model_io import (
     eos_token_ids,
+    load_model,
     load_state_dict_strict,
     read_safetensors_dir,
 )
-from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.paged_batcher import build_paged
 from agentrl.inference.paged_runner import PagedRunner
-from agentrl.inference.sglang_api import warn_if_truncating
+from agentrl.inference.routing_records import RoutingRecorder, records_routing, refusal
+from agentrl.inference.sglang_api import request_problem, warn_if_truncating
 from agentrl.kernels.packed_body import unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class LocalEngine:
             ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
             free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``,
             ``prefix_cache``, ``decode_steps`` (8 on CUDA, else 1), are ``build_paged``'s.
+        return_routed_experts: record the experts of requests that ask for them (SGLang's
+            ``--enable-return-routed-experts``); default: on for an MoE model off the paged path.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class LocalEngine:
         compile: bool | None = None,
         prefix_cache: bool = True,
         decode_steps: int | None = None,
+        return_routed_experts: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
@@ -133,7 +137,8 @@ class LocalEngine:
         )
         batching |= dict(max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len)
         cuda = self.device.type == "cuda"
-        paged = cuda and unsupported_reason(model) is None if paged is None else paged
+        if paged is None:  # (routing is recorded on the transformers path only)
+            paged = cuda and unsupported_reason(model) is None and not return_routed_experts
         self._paged: PagedRunner | None = None
         self._batcher: Batcher
         if paged:
@@ -149,6 +154,8 @@ class LocalEngine:
         else:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._batcher = Batcher(self._runner, generator, **batching)
+        if records_routing(model, return_routed_experts, paged=paged):
+            self._batcher.routing = RoutingRecorder(model)
         self._requests = self._batcher.requests  # open requests by rid
         self._paused = False
         self._settle = False  # the next step first waits for arrivals to stop (after resume)
@@ -169,6 +176,7 @@ class LocalEngine:
         dtype: torch.dtype | None = None,
         max_batch_size: int = 64,
         weight_version: int = 0,
+        return_routed_experts: bool | None = None,
     ) -> LocalEngine:
         """Build an engine from an HF model directory or a no-download ``agentrl.tiny`` preset.
 
@@ -176,19 +184,7 @@ class LocalEngine:
         float32, so that sampled and recomputed log-probs agree to float tolerance.
         """
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model: Any
-        tokenizer: Any
-        from agentrl.tiny import PRESETS, build_preset
-
-        if path_or_preset in PRESETS:
-            model, tokenizer = build_preset(path_or_preset)
-        else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            if dtype is None:
-                dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(path_or_preset, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path_or_preset)
+        model, tokenizer = load_model(path_or_preset, device, dtype)
         return cls(
             model,
             tokenizer,
@@ -196,6 +192,7 @@ class LocalEngine:
             device=device,
             dtype=dtype,
             weight_version=weight_version,
+            return_routed_experts=return_routed_experts,
         )
 
     @property
@@ -235,6 +232,11 @@ class LocalEngine:
         }  # fmt: skip
 
     @property
+    def return_routed_experts(self) -> bool:
+        """Whether requests may ask for their routed experts (an MoE model, recording on)."""
+        return self._batcher.routing is not None
+
+    @property
     def paged(self) -> bool:
         """Whether the engine runs the paged path."""
         return self._paged is not None
@@ -253,18 +255,24 @@ class LocalEngine:
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> GenerateOutput:
         """Continue ``input_ids``; returns the new tokens, their log-probs and versions.
 
         ``session_id`` is accepted for protocol compatibility (there is one engine).
+        ``return_routed_experts``: fill ``routed_experts`` (see :attr:`return_routed_experts`)
+        from row ``routed_experts_start_len`` on (SGLang's; the rows before it are -1).
 
         Raises:
             ServerError: with status 400 for an empty or over-long prompt, an out-of-vocabulary
-                id or a duplicate in-flight ``rid``; 500 when the engine step failed.
+                id, a duplicate in-flight ``rid`` or routed experts it does not record; 500 when
+                the engine step failed.
         """
         self._ensure_started()
         rid = rid if rid is not None else uuid.uuid4().hex
-        self.check_request(input_ids, params, rid)
+        routed = routed_experts_start_len if return_routed_experts else -1
+        self.check_request(input_ids, params, rid, routed=routed)
         warn_if_truncating(params)
         generator = None
         if params.seed is not None:
@@ -273,6 +281,8 @@ class LocalEngine:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
         future: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
         req = Request(rid, list(input_ids), params, future, stop, generator)
+        if routed >= 0 and self._batcher.routing is not None:
+            req.routing = self._batcher.routing.new_request(len(input_ids), params, routed)
         if params.max_new_tokens == 0:  # prefill-only in SGLang: nothing to sample
             return self._batcher.output(req, "length", None, "")
         self._batcher.submit(req)
@@ -415,11 +425,7 @@ class LocalEngine:
         self._ensure_started()
         self.check_request(input_ids, SamplingParams(max_new_tokens=0), rid=None)
         async with self._lock:
-            return await asyncio.to_thread(self._score, list(input_ids), temperature or 1.0)
-
-    def _score(self, ids: list[int], temperature: float) -> list[float]:
-        with torch.inference_mode():
-            return self._runner.score(ids, temperature)
+            return await asyncio.to_thread(self._runner.score, list(input_ids), temperature or 1.0)
 
     # ---- request bookkeeping (event loop only) ------------------------------------------------
 
@@ -440,25 +446,19 @@ class LocalEngine:
         if self._batcher.waiting:
             self._wake.set()
 
-    def check_request(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> None:
-        """Raise the 400 ``ServerError`` that ``generate`` would raise for this request, if any."""
+    def check_request(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None, *, routed: int = -1
+    ) -> None:
+        """Raise the 400 ``ServerError`` that ``generate`` would raise for this request, if any.
 
-        def reject(message: str) -> ServerError:
-            return ServerError(message, endpoint="local", rid=rid, status=400)
-
-        if not input_ids:
-            raise reject("input_ids: expected a non-empty list of token ids, got []")
-        if rid is not None and rid in self._requests:
-            raise reject(f"Duplicate request ID detected: {rid}")
-        bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self._vocab]
-        if bad:
-            raise reject(f"input_ids: expected ids in [0, {self._vocab}), got {bad[:3]}")
-        limit = self.max_model_len
-        if len(input_ids) >= limit or len(input_ids) + params.max_new_tokens > limit:
-            raise reject(
-                f"Requested token count exceeds the model's maximum context length of {limit} "
-                f"tokens: {len(input_ids)} input + {params.max_new_tokens} new tokens."
-            )
+        ``routed >= 0``: it asks for routed experts from that row on (``routed_experts_start_len``).
+        """
+        why = refusal(self.model, self.return_routed_experts, routed, len(input_ids))
+        why = why or request_problem(
+            input_ids, params, rid, self._vocab, self.max_model_len, self._requests
+        )
+        if why is not None:
+            raise ServerError(why, endpoint="local", rid=rid, status=400)
 
     async def _drain(self) -> None:
         """Stop admitting and wait until the running batch is empty (or generation is paused)."""

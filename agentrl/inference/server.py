@@ -12,6 +12,9 @@ are a 400 naming the field rather than being ignored; ``/health`` answers 200 wh
 is paused; ``/abort_request`` matches ``rid`` by prefix, as SGLang's scheduler does. Weight
 version labels are strings on the wire and ints in the engine (``parse_weight_version``);
 the server keeps the label of every int it has seen, so spans report the labels clients sent.
+``return_routed_experts`` needs ``--enable-return-routed-experts`` (and an MoE model), as in
+SGLang; ``/model_info`` adds ``routed_experts_shape`` (``[layers, top_k]``, ``null`` when dense)
+so that clients can shape ``meta_info.routed_experts``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from agentrl import __version__
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.engine import PAUSE_MODES, LocalEngine, PauseMode
+from agentrl.inference.routing_records import to_wire
 from agentrl.inference.server_requests import GenerateItem, json_body, parse_generate
 from agentrl.inference.sglang_api import (
     ContractError,
@@ -39,6 +43,7 @@ from agentrl.inference.sglang_api import (
     version_spans,
 )
 from agentrl.inference.weight_receive import WeightReceiver
+from agentrl.routing import is_moe, routing_shape
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +142,7 @@ class EngineServer:
             if len({item.rid for item in items}) < len(items):
                 raise RequestError("Duplicate request ID detected: rids repeat within the batch")
             for item in items:  # reject before anything of this call starts running
-                self.engine.check_request(item.input_ids, item.params, item.rid)
+                self.engine.check_request(item.input_ids, item.params, item.rid, routed=item.routed)
         except ContractError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         except (RequestError, ServerError) as exc:
@@ -163,7 +168,13 @@ class EngineServer:
                 [_clamp(values[i]), item.input_ids[i], texts[i]]
                 for i in range(item.logprob_start_len, len(item.input_ids))
             ]
-        out = await self.engine.generate(item.input_ids, item.params, rid=item.rid)
+        out = await self.engine.generate(
+            item.input_ids,
+            item.params,
+            rid=item.rid,
+            return_routed_experts=item.return_routed_experts,
+            routed_experts_start_len=item.routed_experts_start_len,
+        )
         return self._response(item, out, prompt_entries)
 
     def _texts(self, ids: list[int], enabled: bool) -> list[str | None]:
@@ -200,6 +211,8 @@ class EngineServer:
                 for lp, t, s in zip(out.logprobs, out.output_ids, texts, strict=True)
             ]
             meta["output_token_logprobs_length"] = len(out.output_ids)
+        if item.routed >= 0 and out.routed_experts is not None:  # SGLang's: base64 int32
+            meta["routed_experts"] = to_wire(out.routed_experts[item.routed :])
         response: dict[str, Any] = {"text": text, "output_ids": out.output_ids, "meta_info": meta}
         if item.return_prompt_token_ids:
             response["prompt_token_ids"] = item.input_ids
@@ -310,6 +323,9 @@ class EngineServer:
                 "has_audio_understanding": False,
                 "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None),
+                "routed_experts_shape": routing_shape(self.engine.model)[:2]
+                if is_moe(self.engine.model)
+                else None,
             }
         )
 
@@ -336,6 +352,7 @@ class EngineServer:
                 "incremental_streaming_output": False,
                 "disaggregation_mode": "null",
                 "internal_states": [{"paused": self.engine.paused}],
+                "enable_return_routed_experts": self.engine.return_routed_experts,
                 "startup_time": self._startup_time,
                 "version": f"agentrl-{__version__}",
                 "frontend": "agentrl",
@@ -438,16 +455,22 @@ def run_server(
     weight_version: str = "default",
     served_model_name: str | None = None,
     on_ready: Callable[[str], None] | None = None,
+    enable_return_routed_experts: bool = False,
 ) -> None:
-    """Build a :class:`LocalEngine` for ``model`` (a directory or ``"tiny"``) and serve it.
+    """Build a :class:`LocalEngine` for ``model`` (a directory or a preset) and serve it.
 
-    Blocks until SIGINT or SIGTERM, then shuts down cleanly.
+    Blocks until SIGINT or SIGTERM, then shuts down cleanly. ``enable_return_routed_experts``
+    lets requests ask for their routed experts (SGLang's flag; an MoE model only).
+
+    Raises:
+        ConfigError: ``enable_return_routed_experts`` for a dense model.
     """
     engine = LocalEngine.from_pretrained(
         model,
         device=device,
         max_batch_size=max_batch_size,
         weight_version=parse_weight_version(weight_version),
+        return_routed_experts=enable_return_routed_experts,
     )
 
     async def main() -> None:

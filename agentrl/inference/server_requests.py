@@ -46,6 +46,13 @@ class GenerateItem:
     logprob_start_len: int
     return_text_in_logprobs: bool
     return_prompt_token_ids: bool
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+    @property
+    def routed(self) -> int:
+        """The first row of routed experts to return; -1 when not asked for."""
+        return self.routed_experts_start_len if self.return_routed_experts else -1
 
 
 async def json_body(request: web.Request, default: Any = None) -> Any:
@@ -157,7 +164,15 @@ async def parse_generate(
     expect(logprob, bool, "a boolean")
     expect(starts, int, "i64")
     flags = [body.get("return_text_in_logprobs"), body.get("return_prompt_token_ids")]
+    flags.append(body.get("return_routed_experts"))  # top-level, not a sampling param
     expect([f for f in flags if f is not None], bool, "a boolean")
+    routed_start = body.get("routed_experts_start_len") or 0
+    expect([routed_start], int, "i64")
+    if routed_start < 0 and flags[-1]:
+        raise RequestError(
+            f"routed_experts_start_len={routed_start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
     prompts = await tokenize(tokenizer, sources) if is_text else sources
     if not prompts or any(len(p) == 0 for p in prompts):
         raise RequestError("input_ids: expected a non-empty prompt, got an empty one")
@@ -168,7 +183,9 @@ async def parse_generate(
                 f"logprob_start_len ({starts[i]}) must be -1 or in [0, {len(prompt)}]"
             )
         params, options = sampling[i]
-        items.append(
-            GenerateItem(rids[i], prompt, params, options, logprob[i], starts[i], *map(bool, flags))
+        item = GenerateItem(
+            rids[i], prompt, params, options, logprob[i], starts[i], *map(bool, flags)
         )
+        item.routed_experts_start_len = routed_start
+        items.append(item)
     return items, batch

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +177,30 @@ def check_update_response(raw: bytes, url: str) -> None:
 
 
 # ---- server side: request validation --------------------------------------------------------
+
+
+def request_problem(
+    input_ids: list[int],
+    params: SamplingParams,
+    rid: str | None,
+    vocab_size: int,
+    max_model_len: int,
+    open_rids: Collection[str],
+) -> str | None:
+    """Why an engine refuses a prompt (SGLang's wording where it has one), or ``None``."""
+    if not input_ids:
+        return "input_ids: expected a non-empty list of token ids, got []"
+    if rid is not None and rid in open_rids:
+        return f"Duplicate request ID detected: {rid}"
+    bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        return f"input_ids: expected ids in [0, {vocab_size}), got {bad[:3]}"
+    if len(input_ids) >= max_model_len or len(input_ids) + params.max_new_tokens > max_model_len:
+        return (
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{max_model_len} tokens: {len(input_ids)} input + {params.max_new_tokens} new tokens."
+        )
+    return None
 
 
 class ContractError(ValueError):

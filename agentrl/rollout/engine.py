@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.env import Env
-from agentrl.errors import ServerError
+from agentrl.errors import ConfigError, ServerError
 from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingParams
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.episode import EpisodeState, checked_reset, checked_step, env_call
@@ -76,6 +76,10 @@ class RolloutConfig(BaseModel):
     """An episode whose final reward reaches this counts as a success."""
     ignore_eos: bool = False
     """Sample past EOS until ``max_new_tokens`` (fixed-length turns, for benchmarks and tests)."""
+    return_routed_experts: bool | None = None
+    """Record the experts an MoE policy routed every token to (``Trajectory.routed_experts``).
+    ``None``: on when the embedded engine records routing (an MoE model); ``True`` needs a
+    server that returns them (``--enable-return-routed-experts`` on SGLang or ``agentrl serve``)."""
 
     def sampling(self) -> SamplingParams:
         """The per-turn sampling parameters (``max_new_tokens`` is lowered near the budget)."""
@@ -158,6 +162,16 @@ class RolloutEngine:
         self._paused = False
         self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across engines and processes
         self._attempts = itertools.count()
+        # The embedded engine says whether it records routing; a server is asked per request.
+        offered = getattr(client, "return_routed_experts", None)
+        want = self.config.return_routed_experts
+        self.routed = offered is True if want is None else want
+        """Whether turns ask for routed experts (see ``RolloutConfig.return_routed_experts``)."""
+        if want and offered is False:
+            raise ConfigError(
+                "rollout.return_routed_experts: the embedded engine records no routing "
+                "(a dense model, or LocalEngine(return_routed_experts=False))"
+            )
 
     def _text_of(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -311,6 +325,9 @@ class RolloutEngine:
                     self._at_gate -= 1
             epoch = self._epoch
             rid[0] = turn_id if attempt == 0 else f"{turn_id}.r{attempt}"
+            routed: dict[str, Any] = {}
+            if self.routed:  # the rows known already are not sent again
+                routed = dict(return_routed_experts=True, routed_experts_start_len=ep.routed_rows)
             out = await self.client.generate(
                 ep.tokens + ids,
                 replace(
@@ -320,8 +337,13 @@ class RolloutEngine:
                 ),
                 rid=rid[0],
                 session_id=session_id,
+                **routed,
             )
             rid[0] = None
+            if out.routed_experts is not None:
+                ep.add_routing(out.routed_experts)
+            elif self.routed and not (out.finish_reason == "abort" and not out.output_ids):
+                raise ServerError("return_routed_experts: the response has no routed experts")
             ids += out.output_ids
             logprobs += out.logprobs
             versions += out.versions

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 from pydantic import ValidationError
 
 from agentrl.env import StepResult
 from agentrl.errors import EnvError, ServerError
 from agentrl.inference.base import GenerateOutput
-from agentrl.types import Message, Timing, Trajectory, TurnSpan
+from agentrl.types import Message, RoutedExperts, Timing, Trajectory, TurnSpan
 
 T = TypeVar("T")
 
@@ -71,6 +72,38 @@ class EpisodeState:
     interruptions: int = 0
     resumes: int = 0
     timing: Timing = field(default_factory=Timing)
+    routing: np.ndarray | None = None
+    """Routed experts of ``tokens`` so far (``rollout.return_routed_experts``), int16
+    ``(rows, layers, top_k)``; see :meth:`add_routing`."""
+
+    def add_routing(self, experts: np.ndarray) -> None:
+        """Merge one generate call's routed experts (its rows start at token 0).
+
+        Each call covers the whole conversation so far, so its rows extend the episode's. A row
+        already recorded keeps its value unless it was never computed (``-1``): the row that
+        predicted a sampled token stays the routing of the call that sampled it, even after a
+        weight update (a resumed turn, or a later turn, recomputes earlier tokens).
+        """
+        if self.routing is None or len(self.routing) == 0:
+            self.routing = experts.copy()
+            return
+        if experts.shape[1:] != self.routing.shape[1:]:
+            raise ServerError(
+                f"routed_experts: shape {experts.shape[1:]} changed from {self.routing.shape[1:]}"
+            )
+        n = min(len(self.routing), len(experts))
+        merged = experts.copy() if len(experts) >= len(self.routing) else self.routing.copy()
+        known = np.asarray((self.routing[:n] >= 0).all(axis=(1, 2)))
+        merged[:n] = np.where(known[:, None, None], self.routing[:n], experts[:n])
+        self.routing = merged
+
+    @property
+    def routed_rows(self) -> int:
+        """Leading rows of :attr:`routing` that are known (computed by some call)."""
+        if self.routing is None:
+            return 0
+        unknown = np.flatnonzero((self.routing < 0).any(axis=(1, 2)))
+        return int(unknown[0]) if len(unknown) else len(self.routing)
 
     def append_observation(self, ids: list[int]) -> None:
         """Append env/tool tokens (loss mask 0, no log-prob, version -1)."""
@@ -129,6 +162,7 @@ class EpisodeState:
             error=self.error,
             timing=self.timing,
             info=info,
+            routed_experts=self._routed_experts(),
         )
         try:
             return Trajectory(**fields)
@@ -143,6 +177,16 @@ class EpisodeState:
                 timing=self.timing,
                 info=info,
             )
+
+    def _routed_experts(self) -> RoutedExperts | None:
+        """``routing`` aligned with ``tokens[:-1]``: tokens after the last call get ``-1`` rows."""
+        if self.routing is None:
+            return None
+        rows = max(len(self.tokens) - 1, 0)
+        out = np.full((rows, *self.routing.shape[1:]), -1, dtype=np.int16)
+        n = min(rows, len(self.routing))
+        out[:n] = self.routing[:n]
+        return RoutedExperts.from_array(out)
 
 
 def failure_cause(exc: BaseException) -> FailureCause:

@@ -1,0 +1,86 @@
+"""Models and weights for the embedded engine: loading a model, reading and loading weights.
+
+- :func:`load_model`: an HF model directory, or a no-download ``agentrl.tiny`` preset.
+- :func:`read_safetensors_dir` and :func:`load_state_dict_strict`: HF safetensors weights into a
+  live model, all or nothing (names and shapes are checked before anything is copied).
+- :func:`eos_token_ids`: every id that ends a generation (model, generation config, tokenizer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+
+def load_model(path_or_preset: str, device: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from an HF model directory or an ``agentrl.tiny`` preset.
+
+    A model directory loads in bfloat16 on CUDA and float32 elsewhere unless ``dtype`` says
+    otherwise; a preset is built in float32 (the engine casts it to ``dtype`` if given).
+    """
+    from agentrl.tiny import PRESETS, build_preset
+
+    if path_or_preset in PRESETS:
+        return build_preset(path_or_preset)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path_or_preset, dtype=dtype)
+    return model, AutoTokenizer.from_pretrained(path_or_preset)
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read every ``*.safetensors`` file of an HF-format model directory into one state dict.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory or holds no safetensors file.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model_path: expected a local HF model directory, got {path!r}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path: no *.safetensors file in {str(folder)!r}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy ``state_dict`` into ``model`` after checking names and shapes (all or nothing)."""
+    own = model.state_dict()
+    unknown = sorted(set(state_dict) - set(own))
+    if unknown:
+        raise ValueError(f"weights: unexpected parameter names {unknown[:5]}")
+    given_ptrs = {own[k].data_ptr() for k in state_dict}
+    missing = [k for k in own if k not in state_dict and own[k].data_ptr() not in given_ptrs]
+    if missing:  # a tied weight (lm_head = embed_tokens) is covered by its twin
+        raise ValueError(f"weights: missing parameters {missing[:5]}")
+    for name, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            want, got = tuple(own[name].shape), tuple(tensor.shape)
+            raise ValueError(f"weights: {name} expected shape {want}, got {got}")
+    with torch.no_grad():
+        for name, tensor in state_dict.items():
+            own[name].copy_(tensor)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a generation (the model's, its generation config's, the tokenizer's)."""
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for value in (
+        getattr(gen_cfg, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
