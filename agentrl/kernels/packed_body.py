@@ -27,14 +27,14 @@ op for op (float32 norms, the dtype promotions under autocast), so a float32 run
 transformers forward to rounding (tested on a CPU for Qwen3, Qwen2 and Llama configs).
 
 Supported: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` with SiLU MLPs, no
-MLP bias, no sliding window and no attention dropout (:func:`unsupported_reason` says why not).
-Single process only: FSDP2's hooks fire on module forwards, which this body bypasses.
+MLP bias, no sliding window and no attention dropout, and ``Qwen3MoeForCausalLM`` (its sparse
+layers through :mod:`agentrl.kernels.moe`: the model's router module, then grouped expert
+matmuls; its dense layers as above); :func:`unsupported_reason` says why not. Single process
+only: FSDP2's hooks fire on module forwards, which this body bypasses.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -42,24 +42,30 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
+from agentrl.kernels.moe import is_sparse, moe_mlp, moe_unsupported_reason, selective_moe_mlp
+from agentrl.kernels.recompute import recompute_selectively, selective_context
 from agentrl.kernels.transfer import to_device
 
 __all__ = ["PackedBody", "unsupported_reason"]
 
 _ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why :class:`PackedBody` cannot run ``model``, or ``None`` when it can."""
+def unsupported_reason(model: nn.Module, *, moe: bool = False) -> str | None:
+    """Why :class:`PackedBody` cannot run ``model``, or ``None`` when it can.
+
+    Args:
+        model: a transformers causal LM.
+        moe: accept the MoE architectures too. The packed body runs them; callers that reuse
+            this check for dense-only code (the paged engine) leave it off.
+    """
     name = type(model).__name__
-    if name not in _ARCHITECTURES:
-        return f"architecture {name} (supported: {', '.join(_ARCHITECTURES)})"
+    supported = _ARCHITECTURES + (_MOE_ARCHITECTURES if moe else ())
+    if name not in supported:
+        return f"architecture {name} (supported: {', '.join(supported)})"
     cfg: Any = model.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (only 'silu')"
@@ -69,7 +75,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"attention_dropout {cfg.attention_dropout}"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
-    return None
+    return moe_unsupported_reason(model) if name in _MOE_ARCHITECTURES else None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,6 +141,19 @@ def _post_attention(
     h = _rms_norm(x, ln, eps)
     gate, up = F.linear(h, torch.cat([w_gate, w_up])).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w_down)
+
+
+def _attention_out(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    wo: torch.Tensor,
+    bo: torch.Tensor | None,
+    ln: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection and residual, then the post-attention norm: ``(x, h)`` (MoE layers)."""
+    x = x + F.linear(attn.flatten(1), wo, bo)
+    return x, _rms_norm(x, ln, eps)
 
 
 def _varlen_kwargs(num_heads: int, num_kv_heads: int) -> dict[str, Any]:
@@ -218,44 +237,32 @@ def _varlen_layer(
     return _post_attention(x, attn, *post)
 
 
-def _saved_ops() -> set[Any]:
-    """Operators whose outputs selective recomputation keeps: matmuls and attention."""
-    aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    ):
-        ops.add(getattr(aten, name).default)
-    if torch.cuda.is_available():
-        importlib.import_module("torch.nn.attention.varlen")  # registers the torch_attn ops
-        ops.add(torch.ops.torch_attn._varlen_attn.default)
-        if importlib.util.find_spec("triton") is not None:
-            importlib.import_module("agentrl.kernels.attention")  # registers agentrl's ops
-            ops.add(torch.ops.agentrl.varlen_attn_fwd.default)
-    return ops
-
-
-_SAVED_OPS: set[Any] = set()
-
-
-def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if not _SAVED_OPS:
-        _SAVED_OPS.update(_saved_ops())
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context() -> Any:
-    return create_selective_checkpoint_contexts(_keep_matmuls)
+def _varlen_half(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    options: dict[str, Any],
+    pre: tuple[Any, ...],
+    post: tuple[Any, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE layer up to its router: attention, residual, post-attention norm; ``(x, h)``."""
+    q, k, v = _pre_attention(x, cos, sin, *pre)
+    attn = _varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
+    return _attention_out(x, attn, *post)
 
 
 def _selective_varlen_layer(*args: Any) -> torch.Tensor:
     """:func:`_varlen_layer` keeping only matmul and attention outputs for the backward."""
-    out = checkpoint(_varlen_layer, *args, use_reentrant=False, context_fn=_selective_context)
+    out = recompute_selectively(_varlen_layer, *args)
     assert isinstance(out, torch.Tensor)
     return out
+
+
+def _selective_varlen_half(*args: Any) -> Any:
+    """:func:`_varlen_half` keeping only matmul and attention outputs for the backward."""
+    return recompute_selectively(_varlen_half, *args)
 
 
 class PackedBody:
@@ -285,7 +292,7 @@ class PackedBody:
         selective: bool = False,
         tuned: bool = False,
     ) -> None:
-        reason = unsupported_reason(model)
+        reason = unsupported_reason(model, moe=True)
         if reason is not None:
             raise ValueError(f"model: the packed body does not support {reason}")
         if attention not in ("auto", "varlen", "triton", "sdpa"):
@@ -310,11 +317,20 @@ class PackedBody:
         self.selective = selective
         layer_fn = _selective_varlen_layer if selective else _varlen_layer
         self._varlen_layer: Callable[..., Any] = layer_fn
+        # MoE layers: two graphs around the model's router module, which runs eagerly
+        self._sparse = [is_sparse(layer.mlp) for layer in base.layers]
+        self._out: Callable[..., Any] = _attention_out
+        self._half: Callable[..., Any] = _selective_varlen_half if selective else _varlen_half
+        self._experts: Callable[..., Any] = selective_moe_mlp if selective else moe_mlp
         if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
             options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if tuned else None
             self._pre = torch.compile(_pre_attention, dynamic=True, options=options)
             self._post = torch.compile(_post_attention, dynamic=True, options=options)
             self._varlen_layer = torch.compile(layer_fn, dynamic=True, options=options)
+            if any(self._sparse):
+                self._out = torch.compile(_attention_out, dynamic=True, options=options)
+                self._half = torch.compile(self._half, dynamic=True, options=options)
+                self._experts = torch.compile(self._experts, dynamic=True, options=options)
 
     def _sdpa_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
@@ -355,16 +371,17 @@ class PackedBody:
             self.eps,
             self.head_dim,
         )
-        post = (
-            att.o_proj.weight,
-            att.o_proj.bias,
-            layer.post_attention_layernorm.weight,
+        post: tuple[Any, ...] = (att.o_proj.weight, att.o_proj.bias)
+        post += (layer.post_attention_layernorm.weight,)
+        if self._sparse[i]:  # the MLP runs apart (see _moe_layer)
+            return pre, (*post, self.eps)
+        return pre, (
+            *post,
             mlp.gate_proj.weight,
             mlp.up_proj.weight,
             mlp.down_proj.weight,
             self.eps,
         )
-        return pre, post
 
     def _layer(
         self,
@@ -386,7 +403,12 @@ class PackedBody:
             # a power of two: FlashAttention only sizes its grid by it, and few distinct
             # values keep the compiled layer from recompiling for every batch
             max_len = max(1024, 1 << (max(lengths) - 1).bit_length())
+            if self._sparse[i]:
+                args = (x, cos, sin, cu, max_len, self._varlen, pre, post)
+                return self._moe_layer(i, self._half, args)
             return self._varlen_layer(x, cos, sin, cu, max_len, self._varlen, pre, post)
+        if self._sparse[i]:
+            return self._moe_layer(i, self._sdpa_half, (x, cos, sin, lengths, pre, post))
         if self.selective and torch.is_grad_enabled():
             return checkpoint(
                 self._sdpa_layer,
@@ -397,7 +419,7 @@ class PackedBody:
                 pre,
                 post,
                 use_reentrant=False,
-                context_fn=_selective_context,
+                context_fn=selective_context,
             )
         return self._sdpa_layer(x, cos, sin, lengths, pre, post)
 
@@ -412,6 +434,42 @@ class PackedBody:
     ) -> torch.Tensor:
         q, k, v = self._pre(x, cos, sin, *pre)
         return self._post(x, self._sdpa_attention(q, k, v, lengths), *post)
+
+    def _sdpa_half(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lengths: list[int],
+        pre: tuple[Any, ...],
+        post: tuple[Any, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self._pre(x, cos, sin, *pre)
+        return self._out(x, self._sdpa_attention(q, k, v, lengths), *post)
+
+    def _moe_layer(self, i: int, half: Callable[..., Any], args: tuple[Any, ...]) -> torch.Tensor:
+        """Layer ``i`` (sparse): ``half`` (attention + norm), the router module, the experts.
+
+        Checkpointing wraps the two halves apart and never the router, so a recomputation in
+        the backward does not call the router (and the routing hooks on it) again.
+        """
+        grad = torch.is_grad_enabled()
+        ckpt = grad and i < self.checkpoint_layers
+        if ckpt:
+            x, h = checkpoint(half, *args, use_reentrant=False)
+        elif grad and self.selective and half == self._sdpa_half:
+            x, h = checkpoint(half, *args, use_reentrant=False, context_fn=selective_context)
+        else:
+            x, h = half(*args)
+        mlp = self.base.layers[i].mlp
+        _, weights, experts = mlp.gate(h)  # the module: forward hooks see and may replace it
+        device = x.device.type
+        on = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if on else mlp.experts.gate_up_proj.dtype
+        args = (x, h, weights, experts, mlp.experts.gate_up_proj, mlp.experts.down_proj, dtype)
+        if ckpt:
+            return checkpoint(self._experts, *args, use_reentrant=False)
+        return self._experts(*args)
 
     def __call__(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, lengths: list[int]
@@ -435,7 +493,7 @@ class PackedBody:
         cos, sin = self.base.rotary_emb(x[None], pos)  # (1, N, D) in x's dtype
         cos, sin = cos[0], sin[0]
         for i in range(self.num_layers):
-            if i < self.checkpoint_layers and torch.is_grad_enabled():
+            if i < self.checkpoint_layers and torch.is_grad_enabled() and not self._sparse[i]:
                 x = checkpoint(self._layer, i, x, cos, sin, cu, lengths, use_reentrant=False)
             else:
                 x = self._layer(i, x, cos, sin, cu, lengths)

@@ -25,7 +25,7 @@ def choose_body(
     wanted = config.body
     if wanted == "transformers":
         return wanted
-    reason = unsupported_reason(model)
+    reason = unsupported_reason(model, moe=True)  # MoE: grouped experts (agentrl.kernels.moe)
     if reason is None and world_size > 1:
         reason = "FSDP (more than one rank)"
     if wanted == "packed" and reason is not None:

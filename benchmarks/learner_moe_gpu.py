@@ -1,0 +1,298 @@
+"""MoE learner update tokens/s on one GPU: agentrl's packed body vs TRL's loss path, side by side.
+
+Model: Qwen3-30B-A3B's shape (``agentrl.tiny.QWEN3_30B_A3B_SHAPE``: hidden 2,048, 32/4 heads of
+128, 128 experts of 768, 8 routed per token, 152k vocabulary) with ``--layers`` decoder layers
+(4 by default: 3.1B parameters, so float32 master weights, gradients and AdamW states, 16 bytes a
+parameter, fit one 80 GB card with the activations), built from config with seeded random
+weights (no download). Batch: ``benchmarks/learner_gpu.py``'s, 32 sequences of a 512-token
+prompt and a 256-2,048-token response (57,167 real tokens); one optimizer step per update.
+
+agentrl (``--variants``), each from the same initial weights: the packed body
+(:mod:`agentrl.kernels.packed_body`, MoE layers through :mod:`agentrl.kernels.moe`: the router
+module, then grouped expert matmuls), bf16 autocast over float32 master weights, bf16 head
+matmuls, ``compile``; ``sel`` adds selective recomputation, ``triton`` this project's attention
+kernel, ``16k`` 16,384-token micro-batches; ``transformers`` is agentrl's learner on
+transformers' own forward (its default ``grouped_mm`` experts, sdpa with a block mask).
+
+TRL (``benchmarks/_trl_side.py``, TRL 1.16 ``GRPOTrainer``'s loss path, GSPO settings): bf16
+weights and AdamW states, micro-batches of 4 sequences padded as TRL pads a generation batch,
+transformers' experts as configured (``--trl-experts``; transformers 5's default is
+``grouped_mm``, its grouped-GEMM experts, not a Python loop).
+
+Headline: the fastest agentrl variant (none checkpoints whole layers) against TRL without
+checkpointing. Peak memory is reported for both; agentrl's starts higher (float32 master
+weights and AdamW states: 16 bytes a parameter vs TRL's 8).
+
+Times are medians of ``--repeats`` updates after ``--warmup`` updates. MFU counts the active
+parameters (every non-expert weight but the untied input embedding, a lookup, and ``top_k /
+num_experts`` of the experts'):
+6 x active parameters x tokens/s / the card's measured bf16 matmul peak.
+
+Usage: ``python benchmarks/learner_moe_gpu.py [--layers 4] [--variants ...] [--no-trl]``
+(``--model tiny`` runs the same code on a CPU in seconds: a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.tiny import QWEN3_30B_A3B_SHAPE, build_tiny_tokenizer, tiny_moe_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from learner_gpu import Batch, free, make_batch, samples_for, sync, with_engine_logprobs  # noqa: E402
+from learner_step import cpu_name, peak_matmul_tflops  # noqa: E402
+
+GIB = 2**30
+FAST: dict[str, Any] = dict(body="packed", head_dtype="bfloat16", compile=True)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "transformers": dict(body="transformers", head_dtype="bfloat16"),
+    "packed+compile": FAST,
+    "packed+compile+16k": dict(FAST, micro_batch_tokens=16384),
+    "packed+compile+sel+16k": dict(FAST, selective_recompute=True, micro_batch_tokens=16384),
+    "packed+compile+sel+16k+triton": dict(
+        FAST, selective_recompute=True, micro_batch_tokens=16384, attention_kernel="triton"
+    ),
+    "packed+compile+16k+triton": dict(FAST, micro_batch_tokens=16384, attention_kernel="triton"),
+}
+
+
+def build_model(args: argparse.Namespace, experts: str | None = None) -> Qwen3MoeForCausalLM:
+    if args.model == "tiny":
+        config = tiny_moe_config(107)
+    else:
+        config = Qwen3MoeConfig(**dict(QWEN3_30B_A3B_SHAPE, num_hidden_layers=args.layers))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with args.device:
+        model = Qwen3MoeForCausalLM(config).float()
+    if experts is not None:
+        model.set_experts_implementation(experts)
+    return model
+
+
+def active_params(model: Qwen3MoeForCausalLM) -> int:
+    """Weights one token multiplies by: all but the experts and an untied input embedding (a
+    lookup), and ``top_k / num_experts`` of the experts'."""
+    cfg: Any = model.config
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    lookup = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is lookup
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p is lookup and not tied:
+            continue
+        total += p.numel() * (share if ".experts." in name else 1.0)
+    return int(total)
+
+
+def learner_config(args: argparse.Namespace, overrides: dict[str, Any]) -> LearnerConfig:
+    cuda = args.device.type == "cuda"
+    kw: dict[str, Any] = dict(
+        lr=1e-6,
+        num_minibatches=1,
+        micro_batch_tokens=args.micro_batch_tokens,
+        dtype="bfloat16" if cuda else "float32",
+        logprob_chunk_size=args.chunk_size,
+    )
+    kw.update(overrides)
+    if not cuda:  # the CPU smoke run: no inductor C++ build, no Triton
+        kw.update(compile=False, attention_kernel="flash", head_dtype="float32")
+    return LearnerConfig(**kw)
+
+
+def run_variant(
+    args: argparse.Namespace, init: dict[str, torch.Tensor], samples: list[TrainSample], name: str
+) -> dict[str, Any]:
+    device = args.device
+    model = build_model(args)
+    model.load_state_dict(init)
+    learner = Learner(model, learner_config(args, VARIANTS[name]))
+    batch = with_engine_logprobs(learner, samples)
+    t0 = time.perf_counter()
+    first = learner.step(batch)  # warm-up (compiles), and the first step's figures
+    for _ in range(args.warmup - 1):
+        learner.step(batch)
+    warm_s = time.perf_counter() - t0
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.repeats):
+        sync(device)
+        t = time.perf_counter()
+        learner.step(batch)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    body = learner.body
+    del learner, model
+    free(device)
+    step_s = statistics.median(times)
+    return dict(
+        body=body,
+        step_s=step_s,
+        tokens_per_s=args.tokens / step_s,
+        peak_gib=peak,
+        warmup_s=warm_s,
+        first_loss=first["loss/policy"],
+        first_grad_norm=first["loss/grad_norm"],
+    )
+
+
+def run_trl(
+    args: argparse.Namespace, init: dict[str, torch.Tensor], batch: Batch
+) -> dict[str, Any]:
+    from _trl_side import trl_update
+
+    model = build_model(args, experts=args.trl_experts)
+    model.load_state_dict(init)
+    bf16 = args.device.type == "cuda"
+    if bf16:
+        model = model.to(torch.bfloat16)
+    experts_impl = model.config._experts_implementation
+    prompts, completions, advantages = batch
+    result = trl_update(
+        model,
+        build_tiny_tokenizer(),
+        prompts,
+        completions,
+        advantages,
+        micro_batch_seqs=4,
+        gradient_checkpointing=False,
+        bf16=bf16,
+        lr=1e-6,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    del model
+    free(args.device)
+    step_s = statistics.median(result.step_s)
+    return dict(
+        step_s=step_s,
+        tokens_per_s=result.tokens_per_step / step_s,
+        peak_gib=result.peak_mem_gib,
+        first_loss=result.first_loss,
+        first_grad_norm=result.first_grad_norm,
+        settings=dict(result.settings, experts_implementation=experts_impl),
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", choices=["qwen3-30b-a3b-shape", "tiny"], default="qwen3-30b-a3b-shape"
+    )
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the 30B-A3B shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--response-min", type=int, default=256)
+    parser.add_argument("--response-max", type=int, default=2048)
+    parser.add_argument("--micro-batch-tokens", type=int, default=12288)
+    parser.add_argument("--chunk-size", type=int, default=1024, help="head chunk (tokens)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["packed+compile+sel+16k", "packed+compile+16k+triton"],
+        choices=list(VARIANTS),
+    )
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument(
+        "--trl-experts",
+        default=None,
+        help="transformers' experts_implementation for TRL's model (default: transformers')",
+    )
+    args = parser.parse_args()
+    args.device = torch.device(args.device)
+    if args.model == "tiny":
+        args.prompt_len, args.response_min, args.response_max = 16, 8, 64
+        args.micro_batch_tokens, args.chunk_size = 256, 64
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = args.device
+    model = build_model(args)
+    init = {k: v.cpu() for k, v in model.state_dict().items()}  # off the card: peaks compare
+    num_params = sum(p.numel() for p in model.parameters())
+    n_active = active_params(model)
+    cfg: Any = model.config
+    del model
+    free(device)
+    vocab = cfg.vocab_size
+    batch = make_batch(args, vocab)
+    samples = samples_for(*batch)
+    args.tokens = sum(len(s.tokens) for s in samples)
+    peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak_tflops = peak_matmul_tflops(device, peak_dtype)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+    def mfu(tokens_per_s: float) -> float:
+        return 6 * n_active * tokens_per_s / (peak_tflops * 1e12)
+
+    rows: dict[str, dict[str, Any]] = {}
+    for name in args.variants:
+        rows[name] = run_variant(args, init, samples, name)
+        print(f"# {name}: {rows[name]}", flush=True)
+    trl = None if args.no_trl else run_trl(args, init, batch)
+    if trl is not None:
+        print(f"# trl: {trl}", flush=True)
+    headline = max(rows, key=lambda k: rows[k]["tokens_per_s"])
+    best = rows[headline]
+
+    print(f"\ncard: {card}; measured {peak_dtype} matmul peak {peak_tflops:.0f} TFLOP/s")
+    print(
+        f"model: {cfg.num_hidden_layers} layers, {cfg.num_experts} experts "
+        f"(top {cfg.num_experts_per_tok}), {num_params / 1e9:.2f}B params, "
+        f"{n_active / 1e6:.0f}M active; "
+        f"batch: {args.num_seqs} sequences, {args.tokens} tokens"
+    )
+    print(f"{'run':<34}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'MFU':>8}{'warm-up s':>11}")
+    table = {**rows, **({"trl (GRPOTrainer loss path)": trl} if trl else {})}
+    for name, r in table.items():
+        warm = f"{r['warmup_s']:>11.1f}" if "warmup_s" in r else ""
+        print(
+            f"{name:<34}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
+            f"{r['peak_gib']:>10.2f}{mfu(r['tokens_per_s']):>8.3f}{warm}"
+        )
+    if trl:
+        print(f"trl settings: {trl['settings']}")
+    speedup = best["tokens_per_s"] / trl["tokens_per_s"] if trl else None
+    figures: dict[str, Any] = {
+        "moe_learner_tokens_per_s": round(best["tokens_per_s"], 1),
+        "trl_moe_tokens_per_s": round(trl["tokens_per_s"], 1) if trl else None,
+        "moe_speedup_vs_trl": round(speedup, 3) if speedup else None,
+        "agentrl_config": headline,
+        "mfu": round(mfu(best["tokens_per_s"]), 4),
+        "peak_mem_gib": round(best["peak_gib"], 3),
+        "trl_peak_mem_gib": round(trl["peak_gib"], 3) if trl else None,
+        "trl_experts_implementation": trl["settings"]["experts_implementation"] if trl else None,
+        "variants": {k: round(v["tokens_per_s"], 1) for k, v in rows.items()},
+        "variant_peak_gib": {k: round(v["peak_gib"], 3) for k, v in rows.items()},
+        "first_loss": {k: round(v["first_loss"], 6) for k, v in table.items()},
+        "layers": cfg.num_hidden_layers,
+        "params": num_params,
+        "active_params": n_active,
+        "tokens": args.tokens,
+        "peak_tflops": round(peak_tflops, 1),
+        "card": card,
+        "torch": torch.__version__,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
