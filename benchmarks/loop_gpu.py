@@ -19,7 +19,9 @@ step per generation batch of the same size. Trained tokens = prompt + response t
 trained sequences; the first ``--warmup`` steps of each side are not timed.
 
 Reported for agentrl: loop tokens/s, the per-step wall split (waiting for rollouts, update,
-weight push, the rest), the GPU-busy fraction (``nvidia-smi`` utilisation sampled every 100
+weight push, the rest), the GPU-busy fraction (``gpu_busy``: the union of every kernel's
+interval on the card, from a CUDA-only ``torch.profiler`` trace of the timed steps, over their
+wall time; ``gpu_busy_nvidia_smi``: ``nvidia-smi`` utilisation sampled every 100
 ms over the timed steps: the share of time a kernel was running), the in-process weight push
 (``time/sync_s``) and response tokens whose groups finished during updates (overlap).
 
@@ -90,6 +92,40 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+class KernelBusy:
+    """The share of wall time at least one kernel runs: a CUDA-only profiler trace's union."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        """Start tracing kernels."""
+        torch.cuda.synchronize()
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Stop; busy time / wall time since ``start``."""
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        spans = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in self._prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        busy, end = 0.0, float("-inf")
+        for s, e in spans:  # microseconds
+            if s > end:
+                busy, end = busy + (e - s), e
+            elif e > end:
+                busy, end = busy + (e - end), e
+        return busy / 1e6 / wall if wall > 0 else float("nan")
+
+
 class GpuBusy:
     """``nvidia-smi``'s utilisation of card 0, sampled every 100 ms between start and stop."""
 
@@ -145,7 +181,7 @@ def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict
                   "max_staleness": staleness},
     })  # fmt: skip
     trainer = Trainer(config)
-    busy = GpuBusy()
+    busy, kernels = GpuBusy(), KernelBusy()
     marks: dict[int, float] = {}
 
     def on_step(rec: dict[str, Any]) -> None:
@@ -154,10 +190,12 @@ def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict
             marks[int(rec["step"])] = time.perf_counter()
             if int(rec["step"]) == warmup:
                 busy.start()
+                kernels.start()
 
     trainer.on_step = on_step
     asyncio.run(trainer.run())
-    gpu_busy = busy.stop()
+    gpu_busy_smi = busy.stop()
+    gpu_busy = kernels.stop() if kernels._t0 else float("nan")
     recs = [json.loads(ln) for ln in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in recs if "perf/tokens" in r and r["step"] > warmup]
     wall = marks[warmup + steps] - marks[warmup]
@@ -174,6 +212,7 @@ def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict
         "step_s": wall / steps,
         "time_split_s": per_step,
         "gpu_busy": gpu_busy,
+        "gpu_busy_nvidia_smi": gpu_busy_smi,
         "weight_push_s": min(r["time/sync_s"] for r in timed),
         "overlap_tokens_per_step": sum(r.get("pipeline/overlap_tokens", 0) for r in timed) / steps,
         "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
@@ -264,7 +303,8 @@ def main() -> None:
             )
         print(f"    agentrl per step (s): {split}")
         print(
-            f"    GPU busy {ours['gpu_busy']:.1%}  weight push {ours['weight_push_s'] * 1e3:.1f} ms"
+            f"    GPU busy {ours['gpu_busy']:.1%} (nvidia-smi {ours['gpu_busy_nvidia_smi']:.1%})"
+            f"  weight push {ours['weight_push_s'] * 1e3:.1f} ms"
             f"  learner alone {ours['learner_tokens_per_s']:,.0f} tokens/s"
             f"  overlap tokens/step {ours['overlap_tokens_per_step']:,.0f}"
         )
@@ -280,6 +320,7 @@ def main() -> None:
         round(ours["tokens_per_s"] / trl["tokens_per_s"], 3),
         "time_split": {k: round(v, 4) for k, v in ours["time_split_s"].items()},
         "gpu_busy": round(ours["gpu_busy"], 3),
+        "gpu_busy_nvidia_smi": round(ours["gpu_busy_nvidia_smi"], 3),
         "weight_push_s": round(ours["weight_push_s"], 4),
         "all": results,
         "card": card,
