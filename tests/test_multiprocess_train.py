@@ -156,6 +156,23 @@ def test_resume_on_two_ranks_continues(runs: dict[str, Any], tmp_path: Path) -> 
     assert_same_run(runs["two"], part, weights_atol=1e-6, logprob_atol=1e-6)
 
 
+def test_two_ranks_with_an_endpoint_push_once(
+    runs: dict[str, Any], tmp_path: Path, tiny_server_factory: Any
+) -> None:
+    """Both ranks roll out on `agentrl serve`; rank 0 pushes over the weight-update group."""
+    server = tiny_server_factory("--device", "cpu", "--log-level", "INFO")
+    run_dir = tmp_path / "remote"
+    proc = torchrun(
+        runs["config"], f"--run_dir={run_dir}", f'--inference.endpoints=["{server.url}"]',
+        "--inference.weight_sync=distributed",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # the server sampled with the per-request seeds: the same run as one process, in process
+    assert_same_run(runs["one"], run_dir, weights_atol=5e-5, logprob_atol=1e-5)
+    versions = [ln for ln in server.log if "weights updated; weight_version=" in ln]
+    assert [v.rsplit("=", 1)[1].strip() for v in versions] == ["0", "1", "2"]  # one push each
+
+
 def _launch_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> list[Any]:
     """Two ranks started by hand (no torchrun agent to end them): each must end by itself."""
     with socket.socket() as s:
