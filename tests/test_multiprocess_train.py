@@ -223,12 +223,24 @@ def test_hanging_rank_times_out_naming_rank_and_step(tmp_path: Path) -> None:
     assert "rank 1 stops too" in results[1][1]
 
 
+def test_two_ranks_overlapped_loop(runs: dict[str, Any], tmp_path: Path) -> None:
+    """max_staleness=1: each rank overlaps its own groups; every step trains the gathered batch."""
+    run_dir = tmp_path / "overlapped"
+    proc = torchrun(runs["config"], f"--run_dir={run_dir}", "--train.max_staleness=1",
+                    "--train.steps=3")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [m for m in metrics(run_dir) if "rollout/episodes" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout/episodes"] == 5 * 4 for m in steps)  # tasks_per_step groups of 4
+    assert max(m["staleness/max"] for m in steps) <= 1
+    groups = {(r["step"], r["trajectory"]["task_id"]) for r in trajectories(run_dir)}
+    assert len(groups) == 3 * 5  # 5 groups a step, none trained twice
+    assert len({task for _, task in groups}) == 15
+
+
 def test_multiprocess_limits_and_hooks() -> None:
-    cfg = load_config(None, ["--train.max_staleness=1"])
+    cfg = load_config(None, ["--cold_start.steps=5"])
     check_supported(cfg, 1)  # one process: anything goes
-    with pytest.raises(ConfigError, match="train.max_staleness"):
-        check_supported(cfg, 2)
-    cfg = load_config(None, ["--train.max_staleness=0", "--cold_start.steps=5"])
     with pytest.raises(ConfigError, match="cold_start.steps"):
         check_supported(cfg, 2)
     fault_hook(1, 2, {})  # unset: nothing

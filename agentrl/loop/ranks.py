@@ -11,7 +11,8 @@ on the CPU, with ``train.dist_timeout_s`` as the timeout of every collective. Th
   colocated engine, or over every endpoint with ``inference.endpoints``. The groups are then
   all-gathered (pickled, over a gloo group of their own), so every rank holds the whole batch in
   task order and computes the same advantages; the learner trains each rank's token-balanced
-  share of it;
+  share of it. The overlapped loop splits the task stream the same way
+  (:mod:`agentrl.loop.pipeline`);
 * **weights**: after each step every rank's engine loads the full new weights in place, one
   tensor at a time gathered from the FSDP shards (``DTensor.full_tensor()``): no full copy on
   the host or on the card. With endpoints the push happens once: rank 0 gathers (the other ranks
@@ -345,16 +346,10 @@ def check_supported(config: Any, world_size: int) -> None:
     """What the multi-process run does not do yet fails here, naming the setting.
 
     Raises:
-        ConfigError: the overlapped loop or a cold start with more than one rank.
+        ConfigError: a cold start with more than one rank.
     """
     if world_size == 1:
         return
-    if config.train.max_staleness != 0:
-        raise ConfigError(
-            f"train.max_staleness: the multi-process run ({world_size} ranks) runs the "
-            f"synchronous loop; expected 0, got {config.train.max_staleness} "
-            "(pass --train.max_staleness=0)"
-        )
     if config.cold_start.steps:
         raise ConfigError(
             f"cold_start.steps: the multi-process run ({world_size} ranks) has no cold start; "
