@@ -6,7 +6,8 @@ engine), so both runs sample the same tokens; the groups are gathered in task or
 advantages are the same; FSDP2 averages the ranks' gradients of their token-balanced shares,
 which sum to the whole mini-batch's. What remains are float32 rounding differences: the engine
 batches other rows together (log-probs agree to ~1e-6) and the gradient is summed in another
-order, so after two steps of AdamW (lr 1e-3, weights moved by ~4e-3) the weights agree to ~1e-5.
+order, so after two RL steps of AdamW (lr 1e-3: each moves weights by ~1e-3) the weights agree to
+~3e-5. The cold start runs on an unsharded replica on every rank, alike, and equals one process's.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from agentrl.config import load_config
-from agentrl.errors import ConfigError
-from agentrl.loop.ranks import Ranks, check_supported, fault_hook, sharded_weights
+from agentrl.loop.ranks import Ranks, fault_hook, sharded_weights
 from agentrl.loop.trainer import Trainer
 from agentrl.tiny import build_tiny
 
@@ -42,7 +42,11 @@ CONFIG: dict[str, Any] = {
         "num_eval_tasks": 6,
     },
     "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
-    # an untrained model scores 0 everywhere: the length penalty gives every group a signal
+    # several ranks fine-tune a replica each, checked on the engines every 5 steps
+    "cold_start": {"steps": 10, "lr": 2e-3, "batch_size": 16, "check_every": 5,
+                   "target_success": 0.99},
+    # a barely trained model scores 0 nearly everywhere: the length penalty gives every group a
+    # signal
     "advantages": {"shapers": [{"name": "overlong", "max_tokens": 4, "cache": 3}]},
     "learner": {"lr": 1e-3, "num_minibatches": 2},
     "train": {
@@ -100,19 +104,19 @@ def assert_same_run(one: Path, two: Path, *, weights_atol: float, logprob_atol: 
             assert y is not None
             torch.testing.assert_close(torch.tensor(y), torch.tensor(x), atol=logprob_atol, rtol=0)
     ma, mb = metrics(one), metrics(two)
-    # the training steps and the final evaluation (a run that stopped and resumed at step 1
-    # also logged an evaluation at its end)
-    ma = [m for m in ma if "rollout/reward_mean" in m] + ma[-1:]
-    mb = [m for m in mb if "rollout/reward_mean" in m] + mb[-1:]
-    assert [m["step"] for m in ma] == [m["step"] for m in mb] == [1, 2, 2]
+    # the start (cold start and evaluation), the training steps and the final evaluation (a run
+    # that stopped and resumed at step 1 also logged an evaluation at its end)
+    ma = ma[:1] + [m for m in ma if "rollout/reward_mean" in m] + ma[-1:]
+    mb = mb[:1] + [m for m in mb if "rollout/reward_mean" in m] + mb[-1:]
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == [0, 1, 2, 2]
+    assert ma[0]["sft/steps"] == 10
     for a, b in zip(ma, mb, strict=True):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], abs=10 * logprob_atol), k
     wa, wb = final_weights(one), final_weights(two)
-    initial = build_tiny(seed=3)[0].state_dict()
-    moved = max((wa[k] - initial[k.removeprefix("model.")]).abs().max().item() for k in wa)
-    assert moved > 1e-3
+    before = final_weights(one, step=1)  # the second RL step moved the weights by ~lr
+    assert max((wa[k] - before[k]).abs().max().item() for k in wa) > 5e-4
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=weights_atol, rtol=0)
 
@@ -133,7 +137,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_two_ranks_train_like_one_process(runs: dict[str, Any]) -> None:
-    assert_same_run(runs["one"], runs["two"], weights_atol=5e-5, logprob_atol=1e-5)
+    assert_same_run(runs["one"], runs["two"], weights_atol=1e-4, logprob_atol=2e-5)
     two = runs["two"]
     assert [m["step"] for m in metrics(two)] == [0, 1, 2, 2]  # start, steps, end
     # rank 0 alone wrote the logs and printed the summary; each rank wrote its checkpoint state
@@ -168,9 +172,11 @@ def test_two_ranks_with_an_endpoint_push_once(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     # the server sampled with the per-request seeds: the same run as one process, in process
-    assert_same_run(runs["one"], run_dir, weights_atol=5e-5, logprob_atol=1e-5)
+    assert_same_run(runs["one"], run_dir, weights_atol=1e-4, logprob_atol=2e-5)
     versions = [ln for ln in server.log if "weights updated; weight_version=" in ln]
-    assert [v.rsplit("=", 1)[1].strip() for v in versions] == ["0", "1", "2"]  # one push each
+    # one push per sync, from rank 0: the start, two cold-start checks, the cold start's end,
+    # then each step
+    assert [v.rsplit("=", 1)[1].strip() for v in versions] == ["0", "0", "0", "0", "1", "2"]
 
 
 def _launch_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> list[Any]:
@@ -238,11 +244,7 @@ def test_two_ranks_overlapped_loop(runs: dict[str, Any], tmp_path: Path) -> None
     assert len({task for _, task in groups}) == 15
 
 
-def test_multiprocess_limits_and_hooks() -> None:
-    cfg = load_config(None, ["--cold_start.steps=5"])
-    check_supported(cfg, 1)  # one process: anything goes
-    with pytest.raises(ConfigError, match="cold_start.steps"):
-        check_supported(cfg, 2)
+def test_multiprocess_hooks() -> None:
     fault_hook(1, 2, {})  # unset: nothing
     fault_hook(0, 2, {"AGENTRL_FAULT": "1:2"})  # another rank
     with pytest.raises(RuntimeError, match="injected failure"):

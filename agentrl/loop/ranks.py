@@ -43,10 +43,11 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -342,20 +343,53 @@ class _FailureWatch:
 # ---------------------------------------------------------------- checks and files
 
 
-def check_supported(config: Any, world_size: int) -> None:
-    """What the multi-process run does not do yet fails here, naming the setting.
+# ---------------------------------------------------------------- the cold start
 
-    Raises:
-        ConfigError: a cold start with more than one rank.
+
+def cold_start_model(trainer: Any) -> tuple[torch.nn.Module, Callable[[], Awaitable[Any]]]:
+    """The model a cold start fine-tunes and the push that serves it to the engines.
+
+    One process: the policy itself and the trainer's weight sync. Several ranks: the learner's
+    shards cannot run outside its FSDP root, so every rank fine-tunes the same unsharded float32
+    replica of the initial policy (built again from the config: nothing has trained yet), alike
+    (same demonstrations, same order), and :func:`adopt_cold_start` hands it to the learner.
     """
-    if world_size == 1:
-        return
-    if config.cold_start.steps:
-        raise ConfigError(
-            f"cold_start.steps: the multi-process run ({world_size} ranks) has no cold start; "
-            "expected 0 (run the cold start in one process and train from its export), got "
-            f"{config.cold_start.steps}"
+    if trainer.ranks.world_size == 1:
+        return trainer.model, trainer.sync_weights
+    from agentrl.loop.placement import load_policy
+
+    device = trainer.learner.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model, _ = load_policy(trainer.config)  # seeds the RNG it builds with: leave ours be
+    torch.nn.Module.to(model, torch.float32)  # float32, as the learner's master weights
+    learner = trainer.learner
+    shim = SimpleNamespace(
+        model=model, export_dtype=learner.export_dtype, architecture=learner.architecture,
+        device=device,
+    )  # fmt: skip
+    remote = trainer.run_dir / "weights" if trainer.config.inference.endpoints else None
+
+    async def push() -> dict[str, float]:
+        return await push_weights(
+            shim, trainer.client, trainer.step, remote, trainer.tokenizer, trainer.weight_push
         )
+
+    return model, push
+
+
+def adopt_cold_start(learner: Any, model: torch.nn.Module) -> None:
+    """Load a fine-tuned replica's weights (rank 0's) into the learner's shards (every rank)."""
+    if model is learner.model:
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    full = model.state_dict()
+    with torch.no_grad():
+        for name, value in learner.model.state_dict().items():  # views of the parameters
+            src = full[name].to(device=learner.device, dtype=value.dtype)
+            if hasattr(value, "device_mesh"):  # scattered from rank 0: every rank agrees
+                src = distribute_tensor(src, value.device_mesh, value.placements)
+            value.copy_(src)
 
 
 # ---------------------------------------------------------------- weights

@@ -84,7 +84,6 @@ class Trainer:
         # everything that can be wrong with the config fails here, before a model or a file
         import_envs(config.imports)
         self.ranks = dist_ranks.active()  # several under torchrun (agentrl.loop.ranks)
-        dist_ranks.check_supported(config, self.ranks.world_size)
         self.train_tasks = tasks_for(config, "train")
         self.eval_tasks = tasks_for(config, "test")
         stamp = self.ranks.broadcast(time.strftime("%Y%m%d-%H%M%S"))  # one run dir for all
@@ -197,9 +196,10 @@ class Trainer:
         cs = self.config.cold_start
         if cs.steps == 0:
             return {}
+        model, push = dist_ranks.cold_start_model(self)  # several ranks: an unsharded replica
 
         async def check() -> float:
-            await self.sync_weights()
+            await push()
             return (await self.evaluate())["eval/success_rate"]
 
         def progress(m: dict[str, float]) -> None:  # shown, not logged: the CLI draws it
@@ -207,10 +207,11 @@ class Trainer:
                 self.on_step({"step": self.step, **m})
 
         stats = await run_cold_start(
-            self.model, self.make_env, self.chat, self.train_tasks, steps=cs.steps,
+            model, self.make_env, self.chat, self.train_tasks, steps=cs.steps,
             batch_size=cs.batch_size, lr=cs.lr, seed=self.config.seed, check=check,
             check_every=cs.check_every, target=cs.target_success, on_progress=progress,
         )  # fmt: skip
+        dist_ranks.adopt_cold_start(self.learner, model)
         self.learner.reset_optimizer()
         await self.sync_weights()
         return stats
