@@ -28,9 +28,9 @@ on the CPU, with ``train.dist_timeout_s`` as the timeout of every collective. Th
   ``train.dist_timeout_s``, which then fails them the same way. ``torchrun`` also ends the other
   workers once one has exited with an error.
 
-Test hook: ``AGENTRL_FAULT=RANK:STEP`` makes rank ``RANK`` raise at the start of step ``STEP``
-(after its rollouts, before the batch is gathered); ``RANK:STEP:hang`` makes it hang there
-instead (``tests/test_multiprocess_train.py``).
+Test hook: ``AGENTRL_FAULT=RANK:STEP`` makes rank ``RANK`` raise in step ``STEP`` (of the
+synchronous loop, after its share of a rollout, before the groups are gathered);
+``RANK:STEP:hang`` makes it hang there instead (``tests/test_multiprocess_train.py``).
 """
 
 from __future__ import annotations
@@ -188,10 +188,11 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[Ranks]:
     """Join the training ranks (from torchrun's environment) for the duration of a run.
 
     In one process (``WORLD_SIZE`` unset or 1) this yields the single rank and does nothing else.
-    Else it initialises the default process group (NCCL for a CUDA ``device``, else gloo) and a
-    gloo group for objects, watches for other ranks' failures, and on the way out either waits
-    for every rank and leaves the group, or (this rank raised) tells the others and re-raises
-    the error as one that names the rank and step (:func:`failure_message`).
+    Else it initialises the default process group (NCCL for a CUDA ``device``, else gloo; a
+    group the caller initialised is used as it is, and left to the caller) and a gloo group for
+    objects, watches for other ranks' failures, and on the way out either waits for every rank
+    and leaves the group, or (this rank raised) tells the others and re-raises the error as one
+    that names the rank and step (:func:`failure_message`).
 
     Args:
         device: this rank's device (``model.device`` resolved for ``LOCAL_RANK``).
@@ -202,15 +203,16 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[Ranks]:
         TrainingError: this rank failed while training (names the rank and step).
     """
     global _active
-    rank, _, world = world_from_env()
-    if world <= 1 or (dist.is_available() and dist.is_initialized()):
-        yield _active
+    _, _, world = world_from_env()
+    joined = dist.is_available() and dist.is_initialized()  # by the caller: it leaves too
+    if _active.world_size > 1 or (world <= 1 and not (joined and dist.get_world_size() > 1)):
+        yield _active  # one process, or already inside a multi-process run
         return
     timeout = timedelta(seconds=timeout_s)
-    if device.type == "cuda":
+    if not joined and device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    else:
+    elif not joined:
         dist.init_process_group("gloo", timeout=timeout)
     ranks = Ranks(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s)
     ranks.group = dist.new_group(backend="gloo", timeout=timeout)
@@ -236,7 +238,9 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[Ranks]:
     else:
         ranks._watch.stop()
         ranks.barrier()
-        dist.destroy_process_group()
+        dist.destroy_process_group(ranks.group)
+        if not joined:
+            dist.destroy_process_group()
     finally:
         _active = Ranks()
 
