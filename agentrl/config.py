@@ -184,6 +184,9 @@ class TrainLoopConfig(_Section):
     of a step's episodes fail (an exception in the env or the request) ..."""
     max_failed_steps: int = Field(3, ge=1)
     """... for this many steps in a row."""
+    dist_timeout_s: float = Field(600.0, gt=0)
+    """Several processes (``torchrun``): how long a rank waits in a collective for the others
+    before the run fails, naming the rank and step (:mod:`agentrl.loop.ranks`)."""
 
     @model_validator(mode="after")
     def _overlap_settings(self) -> TrainLoopConfig:

@@ -52,7 +52,11 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy ``state_dict`` into ``model`` after checking names and shapes (all or nothing)."""
+    """Copy ``state_dict`` into ``model`` after checking names and shapes (all or nothing).
+
+    A sharded value (a ``DTensor``, from an FSDP learner) is gathered as it is copied, one at a
+    time: every rank of its mesh must load the same names in the same order.
+    """
     own = model.state_dict()
     unknown = sorted(set(state_dict) - set(own))
     if unknown:
@@ -67,7 +71,7 @@ def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.T
             raise ValueError(f"weights: {name} expected shape {want}, got {got}")
     with torch.no_grad():
         for name, tensor in state_dict.items():
-            own[name].copy_(tensor)
+            own[name].copy_(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

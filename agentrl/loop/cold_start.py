@@ -160,6 +160,7 @@ async def sft(
                 break
         elif on_progress is not None:
             on_progress(progress)
+    opt.zero_grad(set_to_none=True)  # else the RL learner's first update adds the last SFT grad
     model.eval()
     return {"sft/loss": loss_value, "sft/steps": float(done)}
 

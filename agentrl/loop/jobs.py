@@ -35,7 +35,20 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Train with a progress bar showing the latest reward; print and return the summary."""
+    """Train with a progress bar showing the latest reward; print and return the summary.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train together
+    (:mod:`agentrl.loop.ranks`); rank 0 alone draws progress and prints the summary.
+    """
+    from agentrl.loop.placement import resolve_device
+    from agentrl.loop.ranks import process_group
+
+    device = resolve_device(config.model.device)
+    with process_group(device, config.train.dist_timeout_s) as ranks:
+        return _train(config, resume=resume, quiet=not ranks.is_main)
+
+
+def _train(config: TrainConfig, *, resume: bool, quiet: bool) -> dict[str, Any]:
     from agentrl.loop.trainer import Trainer
 
     def on_step(m: dict[str, float]) -> None:
@@ -65,17 +78,18 @@ def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]
     bar: Any = None
     if not logging.getLogger().handlers:  # the env's first traceback and warnings reach stderr
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        trainer = Trainer(config, resume=resume, on_step=on_step)  # checks the config first
-        bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
-        bar.write(f"run directory: {trainer.run_dir}")
+    try:  # the other ranks of a multi-process run are quiet
+        trainer = Trainer(config, resume=resume, on_step=None if quiet else on_step)
+        if not quiet:
+            bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
+            bar.write(f"run directory: {trainer.run_dir}")
         summary = asyncio.run(trainer.run())
     finally:
         if bar is not None:
             bar.close()
-    if trainer.notice:
+    if trainer.notice and not quiet:
         print(trainer.notice)
-    if summary.get("already_finished"):
+    if summary.get("already_finished") or quiet:
         return summary
     change = 100 * (summary["success_end"] - summary["success_start"])
     print(

@@ -52,6 +52,12 @@ Design:
   exceed its budget by due groups (``staleness/due_groups``).
 - **Checkpoints** record the task cursor, which is past the groups in flight and in the buffer;
   a resumed run skips those tasks (a crash loses at most the episodes in flight).
+- **Several ranks** (:mod:`agentrl.loop.ranks`): rank ``r`` of ``N`` runs the groups of the
+  task stream's positions ``i % N == r`` on its own engine, with its share of the budget, of the
+  admission bound and of ``max_inflight_groups``; each rank applies the staleness rule to its
+  own groups, then the ranks' batches are gathered (in a worker thread, so that generation goes
+  on meanwhile) into one batch in task order that every rank trains. Every rank's cursor (in its
+  checkpoint) is past its own groups.
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ class Host(Protocol):
     step: int
     cursor: int
     rollout: RolloutEngine
+    ranks: Any  # agentrl.loop.ranks.Ranks
 
     def next_tasks(self) -> list[Task]: ...  # noqa: D102
 
@@ -174,12 +181,18 @@ class Pipeline:
         if cfg.max_staleness < 1:
             raise ValueError(f"max_staleness: expected >= 1, got {cfg.max_staleness}")
         self.trainer = trainer
+        self.ranks = trainer.ranks
+        rank, n = self.ranks.rank, self.ranks.world_size
+
+        def share(total: int) -> int:  # this rank's part of a total over positions 0..total-1
+            return len(range(rank, total, n))
+
         self.max_staleness = cfg.max_staleness
-        self.tokens_per_step = cfg.tokens_per_step
-        self.max_inflight = cfg.max_inflight_groups or cfg.tasks_per_step
-        budget = cfg.tokens_per_step or cfg.tasks_per_step
+        self.tokens_per_step = None if cfg.tokens_per_step is None else -(-cfg.tokens_per_step // n)
+        self.max_inflight = share(cfg.max_inflight_groups or cfg.tasks_per_step)
+        budget = self.tokens_per_step or share(cfg.tasks_per_step)
         self._budget = budget  # in tokens, or in groups without a token budget
-        self._admit = (cfg.max_staleness + 1) * cfg.tasks_per_step  # see "Admission" above
+        self._admit = (cfg.max_staleness + 1) * share(cfg.tasks_per_step)  # see "Admission"
         self._taken_before_served = 0  # groups taken by the steps before the served version
         self.stats = PipelineStats()
         self._tasks: deque[tuple[int, Task]] = deque()
@@ -208,11 +221,14 @@ class Pipeline:
     # ------------------------------------------------------------------ production
 
     def _next_task(self) -> tuple[int, Task]:
-        if not self._tasks:
-            start = self.trainer.cursor
-            tasks = self.trainer.next_tasks()
-            self._tasks.extend(zip(range(start, start + len(tasks)), tasks, strict=True))
-        return self._tasks.popleft()
+        while True:
+            if not self._tasks:
+                start = self.trainer.cursor
+                tasks = self.trainer.next_tasks()
+                self._tasks.extend(zip(range(start, start + len(tasks)), tasks, strict=True))
+            index, task = self._tasks.popleft()
+            if index % self.ranks.world_size == self.ranks.rank:  # the others' are theirs
+                return index, task
 
     def _buffered(self) -> int:
         if self.tokens_per_step is None:
@@ -291,6 +307,14 @@ class Pipeline:
         t0 = time.perf_counter()
         inflight = len(self._inflight)
         batch, due_wait = await self._next_batch()
+        buffered = len(self._buffer)
+        if self.ranks.world_size > 1:  # every rank trains every rank's groups
+            parts = await asyncio.to_thread(
+                self.ranks.all_gather, (batch, due_wait, inflight, buffered)
+            )
+            batch = [r for p in parts for r in p[0]]
+            due_wait = max(p[1] for p in parts)
+            inflight, buffered = sum(p[2] for p in parts), sum(p[3] for p in parts)
         batch.sort(key=lambda r: r.index)  # task order
         t_wait = time.perf_counter() - t0
         groups = [r.group for r in batch]
@@ -302,7 +326,7 @@ class Pipeline:
         metrics["pipeline/due_wait_s"] = due_wait
         metrics["rollout/response_tokens"] = float(sum(r.tokens for r in batch))
         metrics["pipeline/inflight_groups"] = float(inflight)  # when the step began to wait
-        metrics["pipeline/buffered_groups"] = float(len(self._buffer))  # left after taking
+        metrics["pipeline/buffered_groups"] = float(buffered)  # left after taking
         done_before = self._done_tokens
         metrics = await t.update(groups, metrics, overlapped=True, on_synced=self._synced)
         # generation went on during the update: the response tokens of groups that finished

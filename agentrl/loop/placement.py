@@ -140,11 +140,14 @@ def load_policy(config: TrainConfig) -> tuple[Any, Any]:
     return model.to(device=resolve_device(config.model.device), dtype=dtype), tok
 
 
-def make_local_engine(model: Any, tokenizer: Any, config: TrainConfig) -> Any:
+def make_local_engine(
+    model: Any, tokenizer: Any, config: TrainConfig, *, copy_model: bool = True
+) -> Any:
     """The embedded engine on the policy's card, with its own copy of the weights.
 
     On a card the KV budget sizes the paged engine's cache; on the CPU path (whose cache grows
     per row) it caps the rows decoded together, so that their full-length caches fit it.
+    ``copy_model=False`` hands the engine ``model`` itself (a copy the caller made earlier).
     """
     from agentrl.inference.engine import LocalEngine
 
@@ -167,7 +170,8 @@ def make_local_engine(model: Any, tokenizer: Any, config: TrainConfig) -> Any:
         kwargs["max_batch_size"] = rows
     # a copy made on the card (no host round trip), in the policy's dtype (the learner keeps
     # float32 master weights)
-    return LocalEngine(copy.deepcopy(model), tokenizer, device=device, dtype=dtype, **kwargs)
+    own = copy.deepcopy(model) if copy_model else model
+    return LocalEngine(own, tokenizer, device=device, dtype=dtype, **kwargs)
 
 
 def make_weight_push(config: TrainConfig, device: torch.device) -> Any:

@@ -17,6 +17,42 @@ import numpy as np
 import torch
 
 
+def state_file(path: Path, rank: int) -> Path:
+    """A checkpoint's trainer-state file of ``rank`` (rank 0's keeps the single-process name)."""
+    return path / ("trainer_state.pt" if rank == 0 else f"trainer_state-rank{rank}.pt")
+
+
+def write_checkpoint(path: Path, learner: Any, state: dict[str, Any], ranks: Any) -> None:
+    """Write the learner's checkpoint and the trainer's ``state`` under ``path``; mark it latest.
+
+    Every rank calls: each writes its shards and its state; ``checkpoints/latest`` (``path``'s
+    parent) names the checkpoint once all have (``ranks``: :class:`~agentrl.loop.ranks.Ranks`).
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    learner.save_checkpoint(path)
+    torch.save(state, state_file(path, ranks.rank))
+    ranks.barrier()
+    if ranks.is_main:
+        (path.parent / "latest").write_text(path.name)
+
+
+def read_checkpoint(run_dir: Path, learner: Any, ranks: Any) -> dict[str, Any] | None:
+    """Restore the latest checkpoint of ``run_dir`` into ``learner`` and the global RNGs.
+
+    Returns:
+        The trainer state :func:`write_checkpoint` saved (``step``, ``cursor``, ``rng``), or
+        ``None`` when the run has no checkpoint.
+    """
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    path = run_dir / "checkpoints" / latest.read_text().strip()
+    learner.load_checkpoint(path)
+    state: dict[str, Any] = torch.load(state_file(path, ranks.rank), weights_only=False)
+    set_rng_state(state["rng"])
+    return state
+
+
 def rng_state() -> dict[str, Any]:
     """Python's, NumPy's and torch's global RNG states (a checkpoint restores them)."""
     return {

@@ -11,6 +11,7 @@ model, optimiser, RNG states, step and data cursor, so ``resume`` continues exac
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import random
@@ -30,6 +31,7 @@ from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
 from agentrl.learner import Learner, samples_from_trajectories
 from agentrl.learner.advantages import compute_token_advantages
+from agentrl.loop import ranks as dist_ranks
 from agentrl.loop.cold_start import cold_start as run_cold_start
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
@@ -40,7 +42,14 @@ from agentrl.loop.placement import (
     on_side_stream,
     push_weights,
 )
-from agentrl.loop.resume import cut_logs, finished_summary, rng_state, set_rng_state, start_over
+from agentrl.loop.resume import (
+    cut_logs,
+    finished_summary,
+    read_checkpoint,
+    rng_state,
+    start_over,
+    write_checkpoint,
+)
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task, Trajectory
@@ -48,8 +57,6 @@ from agentrl.types import Group, Task, Trajectory
 log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003  # eval episodes never share seeds with training episodes
-
-
 
 
 class Trainer:
@@ -76,9 +83,10 @@ class Trainer:
             raise ConfigError(f"run_dir: resume needs an existing run directory: {config.run_dir}")
         # everything that can be wrong with the config fails here, before a model or a file
         import_envs(config.imports)
+        self.ranks = dist_ranks.active()  # several under torchrun (agentrl.loop.ranks)
         self.train_tasks = tasks_for(config, "train")
         self.eval_tasks = tasks_for(config, "test")
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+        stamp = self.ranks.broadcast(time.strftime("%Y%m%d-%H%M%S"))  # one run dir for all
         self.run_dir = Path(config.run_dir or Path(config.out_dir) / f"{config.name}-{stamp}")
         self.resume = resume
         self.notice: str | None = None  # what a resume did, for the user (the CLI prints it)
@@ -97,11 +105,16 @@ class Trainer:
         if "body" not in learner_config.model_fields_set and learner_config.dtype != "bfloat16":
             # the packed body's FlashAttention has no float32: a float32 learner on a card
             learner_config = learner_config.model_copy(update={"body": "transformers"})
+        # several ranks: the engine copies the policy before the learner shards it
+        local = self.ranks.world_size > 1 and not config.inference.endpoints
+        self._engine_model = copy.deepcopy(self.model) if local else None
         self.learner = Learner(self.model, learner_config)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.client: InferenceClient = self._make_client()
         self.last_push: dict[str, float] = {}
-        self.weight_push = make_weight_push(config, self.learner.device)  # None: disk or local
+        self.weight_push = (  # None: disk or local; rank 0 pushes for every rank
+            make_weight_push(config, self.learner.device) if self.ranks.is_main else None
+        )
         self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
         eval_cfg = config.rollout.model_copy(
             update={
@@ -111,7 +124,7 @@ class Trainer:
         )
         self.evaluator = RolloutEngine(self.client, self.tokenizer, eval_cfg, chat=self.chat)
         self._tb: Any = None
-        if config.tensorboard:
+        if config.tensorboard and self.ranks.is_main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
@@ -132,6 +145,9 @@ class Trainer:
 
             inference = self.config.inference
             return SGLangClient(inference.endpoints, **inference.client_options())
+        if self._engine_model is not None:  # an unsharded copy of the policy, this rank's
+            engine_model, self._engine_model = self._engine_model, None
+            return make_local_engine(engine_model, self.tokenizer, self.config, copy_model=False)
         return make_local_engine(self.model, self.tokenizer, self.config)  # on the learner's card
 
     async def sync_weights(self) -> float:
@@ -140,7 +156,8 @@ class Trainer:
         The push's timings are kept in ``last_push`` (see :func:`placement.push_weights`).
         """
         remote = self.run_dir / "weights" if self.config.inference.endpoints else None
-        self.last_push = await push_weights(
+        push = push_weights if self.ranks.world_size == 1 else dist_ranks.push_weights
+        self.last_push = await push(
             self.learner, self.client, self.step, remote, self.tokenizer, self.weight_push
         )
         return self.last_push["time/sync_s"]
@@ -160,9 +177,10 @@ class Trainer:
 
     async def evaluate(self) -> dict[str, float]:
         """Held-out success (pass@1 over ``eval_samples`` samples per task), turns, tool calls."""
-        groups = await self.evaluator.run_groups(
-            self.make_env, self.eval_tasks, env_id=self.config.env.id, seed_offset=EVAL_SEED_OFFSET
-        )
+        groups = await self.ranks.run_groups(
+            self.evaluator, self.make_env, self.eval_tasks, env_id=self.config.env.id,
+            seed_offset=EVAL_SEED_OFFSET,
+        )  # fmt: skip
         m = rollout_metrics(groups, success_threshold=self.config.rollout.success_threshold)
         calls = [t.tool_calls for g in groups for t in g.trajectories]
         return {
@@ -178,9 +196,10 @@ class Trainer:
         cs = self.config.cold_start
         if cs.steps == 0:
             return {}
+        model, push = dist_ranks.cold_start_model(self)  # several ranks: an unsharded replica
 
         async def check() -> float:
-            await self.sync_weights()
+            await push()
             return (await self.evaluate())["eval/success_rate"]
 
         def progress(m: dict[str, float]) -> None:  # shown, not logged: the CLI draws it
@@ -188,10 +207,11 @@ class Trainer:
                 self.on_step({"step": self.step, **m})
 
         stats = await run_cold_start(
-            self.model, self.make_env, self.chat, self.train_tasks, steps=cs.steps,
+            model, self.make_env, self.chat, self.train_tasks, steps=cs.steps,
             batch_size=cs.batch_size, lr=cs.lr, seed=self.config.seed, check=check,
             check_every=cs.check_every, target=cs.target_success, on_progress=progress,
         )  # fmt: skip
+        dist_ranks.adopt_cold_start(self.learner, model)
         self.learner.reset_optimizer()
         await self.sync_weights()
         return stats
@@ -206,8 +226,10 @@ class Trainer:
     async def train_step(self) -> dict[str, float]:
         """One synchronous step: roll out the next tasks' groups, then :meth:`update` on them."""
         t0 = time.perf_counter()
+        self.ranks.step = self.step + 1  # for failure messages
         tasks = self.next_tasks()
-        groups = await self.rollout.run_groups(
+        groups = await self.ranks.run_groups(
+            self.rollout,
             self.make_env,
             tasks,
             env_id=self.config.env.id,
@@ -280,7 +302,8 @@ class Trainer:
         shown = self.health.observe(self.step, groups, trajs)  # failed, timeout, zero-signal
         trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
         path = self.run_dir / "trajectories.jsonl"
-        write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
+        if self.ranks.is_main:
+            write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
         return metrics
 
     def training_batch(
@@ -318,13 +341,8 @@ class Trainer:
         if self._checkpointed == self.step:
             return path
         self._checkpointed = self.step
-        path.mkdir(parents=True, exist_ok=True)
-        self.learner.save_checkpoint(path)
-        torch.save(
-            {"step": self.step, "cursor": self.cursor, "rng": rng_state()},
-            path / "trainer_state.pt",
-        )
-        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        state = {"step": self.step, "cursor": self.cursor, "rng": rng_state()}
+        write_checkpoint(path, self.learner, state, self.ranks)
         return path
 
     async def load_checkpoint(self) -> bool:
@@ -334,18 +352,16 @@ class Trainer:
         exactly what an uninterrupted run had written by then; with no checkpoint they are cut
         to nothing (the run starts over) and :attr:`notice` says so.
         """
-        latest = self.run_dir / "checkpoints" / "latest"
-        if not latest.exists():
-            self.notice = start_over(self.run_dir)
-            log.warning("%s", self.notice)
+        state = read_checkpoint(self.run_dir, self.learner, self.ranks)
+        if state is None:
+            if self.ranks.is_main:
+                self.notice = start_over(self.run_dir)
+                log.warning("%s", self.notice)
             return False
-        path = self.run_dir / "checkpoints" / latest.read_text().strip()
-        self.learner.load_checkpoint(path)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step, self.cursor = state["step"], state["cursor"]
-        self._checkpointed = self.step
-        set_rng_state(state["rng"])
-        cut_logs(self.run_dir, self.step)
+        self.ranks.step = self._checkpointed = self.step
+        if self.ranks.is_main:
+            cut_logs(self.run_dir, self.step)
         self.notice = f"resume: continuing {self.run_dir} from the checkpoint of step {self.step}"
         log.info("%s", self.notice)
         await self.sync_weights()
@@ -355,6 +371,8 @@ class Trainer:
 
     def log(self, metrics: dict[str, float]) -> None:
         """Append ``metrics`` as this step's line of ``metrics.jsonl`` (and TensorBoard)."""
+        if not self.ranks.is_main:  # rank 0 writes the run's files and progress
+            return
         rec = {"step": self.step, "time": time.time(), **metrics}
         with (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
@@ -390,7 +408,7 @@ class Trainer:
             self.save_checkpoint()
         if self.step >= cfg.steps:
             return True
-        if self.out_of_time(t_start):
+        if self.ranks.broadcast(self.out_of_time(t_start)):  # rank 0's clock decides for all
             log.info("stopping at step %d: max_wall_s reached", self.step)
             return True
         return False
@@ -412,7 +430,8 @@ class Trainer:
             self.notice = f"resume: {self.run_dir} already finished {finished['steps']} steps"
             log.warning("%s; nothing to do", self.notice)
             return {**finished, "already_finished": True}
-        dump_config(self.config, self.run_dir / "config.yaml")
+        if self.ranks.is_main:
+            dump_config(self.config, self.run_dir / "config.yaml")
         try:
             return await self._run(t_start)
         finally:
@@ -435,10 +454,11 @@ class Trainer:
             cold = await self.cold_start()
             start = await self.evaluate()
             start["cold_start_s"] = time.perf_counter() - t
-            state_path.write_text(json.dumps(start))
+            if self.ranks.is_main:
+                state_path.write_text(json.dumps(start))
             self.log({**cold, **start})
         t_rl = time.perf_counter()
-        if self.step < cfg.steps and not self.out_of_time(t_start):
+        if self.step < cfg.steps and not self.ranks.broadcast(self.out_of_time(t_start)):
             # one schedule; the source of steps is the synchronous loop or the overlapped one
             pipeline = Pipeline(self) if cfg.max_staleness > 0 else None
             source = pipeline.steps() if pipeline else self._synchronous_steps()
@@ -468,6 +488,8 @@ class Trainer:
             "loss": self.learner.config.loss,
             "run_dir": str(self.run_dir),
         }
+        if not self.ranks.is_main:
+            return summary
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         try:
             from agentrl.report.plots import plot_run

@@ -1,0 +1,322 @@
+"""The learner on 1, 2 and 4 GPUs (FSDP2), the whole loop on 1 vs 2, and the NCCL vs disk push.
+
+* **Learner scaling** (weak scaling, as the issue asks): 32 sequences *per GPU* of a 512-token
+  prompt and a 256-2,048-token response (seeded, as in ``learner_gpu.py``), Qwen3-0.6B and
+  Qwen3-1.7B shapes built from config (random weights, no download), one optimizer step per
+  update. Every rank gets the whole batch and trains its token-balanced share
+  (:mod:`agentrl.learner.distributed`). Tokens/s counts the whole batch's tokens;
+  ``scaling_efficiency_N = tokens/s on N GPUs / (N x tokens/s on 1 GPU)``; peak memory is the
+  largest of the ranks'. Every GPU count runs the same learner settings (``--body``; FSDP runs
+  ``transformers`` today, so the 1-GPU reference does too), so the ratio measures the sharding.
+* **Loop** (``--loop``): ``agentrl train`` on ``arith-v0`` with a Qwen3-0.6B-shaped body on 1
+  and on 2 GPUs (``torchrun``; each rank's engine on its card), trained tokens/s of the steps.
+* **Push**: ``benchmarks/weight_push.py``'s measurement for both shapes: the safetensors write
+  plus ``/update_weights_from_disk`` vs the bucketed broadcast to ``agentrl serve`` on another
+  card (NCCL; gloo on a CPU host).
+
+Usage on a 4-GPU host: ``python benchmarks/scaling_gpu.py`` (it launches
+``torchrun --nproc-per-node N`` for each N itself; ``--gpus 1 2`` on a 2-GPU host). One
+measurement alone: ``torchrun --nproc-per-node 2 benchmarks/scaling_gpu.py --worker --out F``.
+CPU dry run (gloo, a tiny shape, seconds): ``python benchmarks/scaling_gpu.py --device cpu``.
+Last line: JSON with ``tokens_per_s_by_gpus``, ``scaling_efficiency_2``, ``scaling_efficiency_4``
+(per shape), ``peak_mem_gib_by_gpus``, ``loop_tokens_per_s_by_gpus``, ``nccl_push_s``,
+``disk_push_s`` and ``card``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.tiny import QWEN3_0_6B_SHAPE, tiny_config
+
+HERE = Path(__file__).resolve().parent
+GIB = 2**30
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "qwen3-0.6b": dict(QWEN3_0_6B_SHAPE),
+    "qwen3-1.7b": dict(QWEN3_0_6B_SHAPE, hidden_size=2048, intermediate_size=6144),
+}
+
+
+# ---------------------------------------------------------------- one measurement (a rank)
+
+
+def build_model(shape: str, device: torch.device) -> Any:
+    """The shape's model with seeded random weights (the same on every rank), float32."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = tiny_config(107) if shape == "tiny" else Qwen3Config(**SHAPES[shape])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with device:
+        return Qwen3ForCausalLM(config).float()
+
+
+def make_samples(args: argparse.Namespace, world: int, vocab: int) -> list[TrainSample]:
+    """``num_seqs`` sequences per GPU (seeded: every rank builds the same batch)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(args.num_seqs * world):
+        r = int(torch.randint(args.response_min, args.response_max + 1, (1,), generator=g))
+        tokens = torch.randint(3, vocab, (args.prompt_len + r,), generator=g).tolist()
+        mask = [0] * args.prompt_len + [1] * r
+        adv = float(torch.randn(1, generator=g))
+        # engine log-probs of a typical size: the ratio's value does not change the work done
+        out.append(TrainSample(tokens, mask, [-3.0 * m for m in mask], [0] * len(mask),
+                               [adv] * len(mask)))  # fmt: skip
+    return out
+
+
+def learner_config(args: argparse.Namespace, shape: str) -> LearnerConfig:
+    cuda = args.device == "cuda"
+    kw: dict[str, Any] = dict(
+        lr=1e-6,
+        num_minibatches=1,
+        micro_batch_tokens=args.micro_batch_tokens,
+        dtype="bfloat16" if cuda else "float32",
+        head_dtype="bfloat16" if cuda else "float32",
+        body=args.body,
+        logprob_chunk_size=args.chunk_size,
+    )
+    if shape == "qwen3-1.7b" and not args.no_checkpointing:
+        kw["gradient_checkpointing"] = True  # float32 master weights and AdamW take 27 GB
+    if args.body == "packed" and cuda:
+        kw.update(compile=True, selective_recompute=True)
+    return LearnerConfig(**kw)
+
+
+def measure_learner(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    """Median update time of ``shape`` on this process group; every rank calls."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
+        else torch.device("cpu")  # fmt: skip
+    model = build_model(shape, device)
+    samples = make_samples(args, world, model.config.vocab_size)
+    learner = Learner(model, learner_config(args, shape))
+    for _ in range(args.warmup):
+        learner.step(samples)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        learner.step(samples)  # ends with the merged metrics: every rank is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    peaks: list[Any] = [None] * world
+    dist.all_gather_object(peaks, peak)
+    body = learner.body
+    del learner, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    step_s = statistics.median(times)
+    tokens = sum(len(s.tokens) for s in samples)
+    return {"gpus": world, "rank": rank, "step_s": step_s, "tokens": tokens,
+            "tokens_per_s": tokens / step_s, "peak_gib": max(peaks), "body": body}  # fmt: skip
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Under torchrun: measure every shape on this process group; rank 0 writes ``--out``."""
+    timeout = timedelta(seconds=1800)
+    if args.device == "cuda":
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=local)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    results = {shape: measure_learner(args, shape) for shape in args.shapes}
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    """The learner options, for the workers' command lines."""
+    out = ["--device", args.device, "--body", args.body, "--shapes", *args.shapes]
+    for name in ("num_seqs", "prompt_len", "response_min", "response_max", "micro_batch_tokens",
+                 "chunk_size", "warmup", "repeats"):  # fmt: skip
+        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return out + (["--no-checkpointing"] if args.no_checkpointing else [])
+
+
+def run_workers(args: argparse.Namespace, gpus: int, work: Path) -> dict[str, Any]:
+    out = work / f"learner-{gpus}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={gpus}", str(Path(__file__).resolve()), "--worker",
+           "--out", str(out), *forwarded(args)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return {"error": f"exit {proc.returncode}"}
+    return dict(json.loads(out.read_text()))
+
+
+def loop_config(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """A short ``agentrl train`` run: synchronous loop, no cold start, an untrained policy."""
+    tiny = {} if args.device == "cpu" else {k: QWEN3_0_6B_SHAPE[k] for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim")}  # fmt: skip
+    cuda = args.device == "cuda"
+    dtype = "bfloat16" if cuda else "float32"
+    return {
+        "run_dir": str(run_dir),
+        "model": {"device": "auto" if cuda else "cpu", "tiny": tiny, "dtype": dtype},
+        "env": {"id": "arith-v0", "task_kwargs": {"digits": 3}, "num_eval_tasks": 8},
+        "rollout": {"group_size": 8, "max_turns": 1, "max_new_tokens": args.loop_new_tokens,
+                    "max_total_tokens": args.loop_new_tokens + 32, "ignore_eos": True},
+        # every response is max_new_tokens long (ignore_eos); answers without a number are
+        # penalised, which gives the untrained policy's groups a signal to train on
+        "advantages": {"shapers": [{"name": "format", "penalty": 1.0}]},
+        "inference": {"max_batch_size": 256, "kv_cache_frac": 0.3},
+        # the same body on 1 and 2 GPUs (FSDP runs transformers' forward today)
+        "learner": {"lr": 1e-6, "num_minibatches": 1, "dtype": dtype, "body": "transformers"},
+        "train": {"steps": args.loop_steps, "tasks_per_step": args.loop_tasks, "eval_every": 0,
+                  "max_staleness": 0},
+    }  # fmt: skip
+
+
+def run_loop(args: argparse.Namespace, gpus: int, work: Path) -> dict[str, Any]:
+    """Sampled and trained tokens/s of ``agentrl train`` on ``gpus`` ranks (after step 1)."""
+    import yaml
+
+    run_dir = work / f"loop-{gpus}"
+    config = work / f"loop-{gpus}.yaml"
+    config.write_text(yaml.safe_dump(loop_config(args, run_dir)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={gpus}", "-m", "agentrl.cli", "train", str(config)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return {"error": f"exit {proc.returncode}"}
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "time/step_s" in m][1:]  # the first step warms up
+    wall = sum(m["time/step_s"] for m in steps)
+    sampled = sum(m["rollout/episodes"] * m["rollout/response_len_mean"] for m in steps)
+    trained = sum(m.get("perf/tokens", 0.0) for m in steps)
+    return {"tokens_per_s": sampled / wall, "trained_tokens_per_s": trained / wall,
+            "step_s": wall / max(len(steps), 1)}  # fmt: skip
+
+
+def run_push(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from weight_push import measure
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    shapes = ["tiny"] if args.device == "cpu" else [s for s in args.shapes if s != "tiny"]
+    return {s: asyncio.run(measure(s, args.repeats, gpus)) for s in shapes}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (1 2 4)")
+    ap.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    ap.add_argument("--body", choices=["transformers", "packed", "auto"], default="transformers")
+    ap.add_argument("--num-seqs", type=int, default=32, help="sequences per GPU")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--response-min", type=int, default=256)
+    ap.add_argument("--response-max", type=int, default=2048)
+    ap.add_argument("--micro-batch-tokens", type=int, default=12288)
+    ap.add_argument("--chunk-size", type=int, default=1024)
+    ap.add_argument("--no-checkpointing", action="store_true", help="none on the 1.7B shape")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--loop-steps", type=int, default=6)
+    ap.add_argument("--loop-tasks", type=int, default=32, help="tasks per step (x8 episodes)")
+    ap.add_argument("--loop-new-tokens", type=int, default=256)
+    ap.add_argument("--push", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--worker", action="store_true", help="(internal) one torchrun measurement")
+    ap.add_argument("--out", default=None, help="(worker) result file")
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    if args.shapes is None:
+        args.shapes = ["tiny"] if cpu else ["qwen3-0.6b", "qwen3-1.7b"]
+    if cpu and not args.worker:  # the dry run: a tiny batch, seconds on two cores
+        args.num_seqs, args.prompt_len, args.response_min, args.response_max = 4, 16, 8, 48
+        args.micro_batch_tokens, args.chunk_size, args.warmup, args.repeats = 256, 64, 1, 2
+        args.loop_steps, args.loop_tasks, args.loop_new_tokens = 3, 4, 8
+    if args.gpus is None:
+        have = 2 if cpu else torch.cuda.device_count()
+        args.gpus = [n for n in (1, 2, 4) if n <= have]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    work = Path(tempfile.mkdtemp(prefix="scaling_"))
+    learner = {n: run_workers(args, n, work) for n in args.gpus}
+    loop = {n: run_loop(args, n, work) for n in args.gpus if n <= 2} if args.loop else {}
+    push = run_push(args) if args.push and (args.device == "cpu" or max(args.gpus) >= 2) else {}
+    card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)"
+
+    by_gpus = {s: {n: r[s]["tokens_per_s"] for n, r in learner.items() if s in r}
+               for s in args.shapes}  # fmt: skip
+    peaks = {s: {n: r[s]["peak_gib"] for n, r in learner.items() if s in r} for s in args.shapes}
+
+    def efficiency(n: int) -> dict[str, float | None]:
+        return {s: (v[n] / (n * v[1]) if n in v and 1 in v else None) for s, v in by_gpus.items()}
+
+    print(f"learner scaling on {card} ({args.num_seqs} sequences per GPU, body {args.body})")
+    print(f"{'shape':<12}{'GPUs':>5}{'tokens/s':>11}{'step s':>9}{'peak GiB':>10}{'eff.':>7}")
+    for s in args.shapes:
+        for n, r in learner.items():
+            if s not in r:
+                print(f"{s:<12}{n:>5}  failed: {r.get('error')}")
+                continue
+            eff = by_gpus[s][n] / (n * by_gpus[s][1]) if 1 in by_gpus[s] else float("nan")
+            print(f"{s:<12}{n:>5}{r[s]['tokens_per_s']:>11.0f}{r[s]['step_s']:>9.3f}"
+                  f"{r[s]['peak_gib']:>10.2f}{eff:>7.1%}")  # fmt: skip
+    for n, r in loop.items():
+        print(f"loop on {n} GPU(s): {r}")
+    for s, r in push.items():
+        print(f"push {s}: disk {r['disk_s']:.3f} s, distributed {r['push_s']:.3f} s "
+              f"({r['speedup']:.1f}x), {r['bytes'] / 1e9:.2f} GB")  # fmt: skip
+    nccl = args.device == "cuda"
+    print(json.dumps({
+        "tokens_per_s_by_gpus": {s: {n: round(v, 1) for n, v in d.items()} for s, d in
+                                 by_gpus.items()},
+        "scaling_efficiency_2": efficiency(2),
+        "scaling_efficiency_4": efficiency(4),
+        "peak_mem_gib_by_gpus": {s: {n: round(v, 2) for n, v in d.items()} for s, d in
+                                 peaks.items()},
+        "loop_tokens_per_s_by_gpus": {n: r.get("tokens_per_s") for n, r in loop.items()},
+        "nccl_push_s": {s: r["push_s"] for s, r in push.items()} if nccl else None,
+        "gloo_push_s": None if nccl else {s: r["push_s"] for s, r in push.items()},
+        "disk_push_s": {s: r["disk_s"] for s, r in push.items()},
+        "body": args.body, "num_seqs_per_gpu": args.num_seqs, "card": card,
+        "gpus": torch.cuda.device_count() if nccl else 0, "torch": torch.__version__,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
