@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from agentrl.kernels.transfer import device_context
+
 
 def load_model(path_or_preset: str, device: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from an HF model directory or an ``agentrl.tiny`` preset.
@@ -69,7 +71,8 @@ def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.T
         if tuple(tensor.shape) != tuple(own[name].shape):
             want, got = tuple(own[name].shape), tuple(tensor.shape)
             raise ValueError(f"weights: {name} expected shape {want}, got {got}")
-    with torch.no_grad():
+    device = next(iter(own.values())).device if own else torch.device("cpu")
+    with torch.no_grad(), device_context(device):  # gathers run on this model's card
         for name, tensor in state_dict.items():
             own[name].copy_(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
 

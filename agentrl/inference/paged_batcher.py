@@ -32,6 +32,7 @@ from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.sampling import row_keys, sample
+from agentrl.kernels.transfer import device_context
 
 DEFAULT_KV_CACHE_FRAC = 0.5
 """Paged path on CUDA: share of the free GPU memory the KV cache takes by default."""
@@ -227,7 +228,7 @@ class PagedBatcher(Batcher):
     def compute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """Decode the running rows, prefill the joining ones, sample every row."""
         runner, size = self.paged, self.paged.page_size
-        with torch.inference_mode():
+        with torch.inference_mode(), device_context(runner.device):  # a worker thread's device
             if self._table:
                 table = torch.tensor(self._table, dtype=torch.int64).t().to(runner.device)
                 runner.block_table[table[0], table[1]] = table[2].int()  # (row, i, page)

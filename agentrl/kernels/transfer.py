@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
 import torch
 
 
@@ -15,3 +18,12 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def device_context(device: torch.device) -> AbstractContextManager[Any]:
+    """Make ``device`` the current CUDA device (a no-op off CUDA).
+
+    A worker thread starts on card 0 whatever its process uses: streams, CUDA graphs and
+    collectives it creates would land there, not on the rank's card.
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

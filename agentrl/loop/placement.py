@@ -25,6 +25,7 @@ import torch
 
 from agentrl.config import TrainConfig
 from agentrl.errors import ConfigError
+from agentrl.kernels.transfer import device_context
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ def on_side_stream(device: torch.device, fn: Callable[..., T], *args: Any) -> T:
     if stream is None:  # one per card: updates never run two at a time
         stream = _streams[device] = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.default_stream(device))  # inputs queued before the call
-    with torch.cuda.stream(stream):
+    with device_context(device), torch.cuda.stream(stream):  # a worker thread starts on card 0
         out = fn(*args)
     stream.synchronize()
     return out
