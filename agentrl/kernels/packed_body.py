@@ -35,7 +35,6 @@ only: FSDP2's hooks fire on module forwards, which this body bypasses.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from agentrl.kernels.moe import is_sparse, moe_mlp, moe_unsupported_reason, selective_moe_mlp
 from agentrl.kernels.recompute import recompute_selectively, selective_context
 from agentrl.kernels.transfer import to_device
+from agentrl.kernels.varlen import varlen_attention, varlen_kwargs
 
 __all__ = ["PackedBody", "unsupported_reason"]
 
@@ -156,70 +156,6 @@ def _attention_out(
     return x, _rms_norm(x, ln, eps)
 
 
-def _varlen_kwargs(num_heads: int, num_kv_heads: int) -> dict[str, Any]:
-    """Keyword arguments for this torch's ``varlen_attn``: causal, and KV-head sharing.
-
-    ``repeat`` is 1 when it takes fewer KV heads than query heads as they are (FlashAttention
-    shares them itself), else how many times to repeat each KV head.
-    """
-    from torch.nn.attention.varlen import varlen_attn
-
-    attend: Any = varlen_attn  # its keywords differ between torch versions
-    params = inspect.signature(varlen_attn).parameters
-    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {}
-    if not kwargs:
-        kwargs["window_size"] = (-1, 0)
-    repeat = num_heads // num_kv_heads
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"], repeat = True, 1
-    elif repeat > 1:  # FlashAttention itself shares KV heads; check that this wrapper lets it
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(96, num_heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        kv = torch.randn(2, 96, num_kv_heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        cu = torch.tensor([0, 40, 96], dtype=torch.int32, device="cuda")
-        full = [t.repeat_interleave(repeat, dim=1) for t in kv]
-        try:
-            native = attend(q, kv[0], kv[1], cu, cu, 56, 56, **kwargs)
-            ok = torch.allclose(native, attend(q, *full, cu, cu, 56, 56, **kwargs), atol=1e-2)
-        except RuntimeError:
-            ok = False
-        repeat = 1 if ok else repeat
-    kwargs["repeat"] = repeat
-    return kwargs
-
-
-def _varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    max_len: int,
-    scale: float,
-    options: dict[str, Any],
-) -> torch.Tensor:
-    """Causal attention over the sequences that ``cu`` (cumulative offsets) delimits.
-
-    FlashAttention-2 (torch's ``varlen_attn``), or this project's Triton kernel where
-    ``options`` says ``kernel="triton"`` (:mod:`agentrl.kernels.attention`).
-    """
-    dtype = v.dtype  # under autocast: the projections' low precision
-    q, k = q.to(dtype), k.to(dtype)
-    if options.get("kernel") == "triton":
-        from agentrl.kernels.attention import varlen_attention
-
-        return varlen_attention(q, k, v, cu, max_len, scale, check_offsets=False)
-    from torch.nn.attention.varlen import varlen_attn
-
-    attend: Any = varlen_attn  # its keywords differ between torch versions
-    kwargs = dict(options)
-    repeat = kwargs.pop("repeat")
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = attend(q, k, v, cu, cu, max_len, max_len, scale=scale, **kwargs)
-    assert isinstance(out, torch.Tensor)
-    return out
-
-
 def _varlen_layer(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -233,7 +169,7 @@ def _varlen_layer(
     """A whole decoder layer with varlen attention: one graph for ``torch.compile``."""
     q, k, v = _pre_attention(x, cos, sin, *pre)
     head_dim = pre[-1]
-    attn = _varlen_attention(q, k, v, cu, max_len, head_dim**-0.5, options)
+    attn = varlen_attention(q, k, v, cu, max_len, head_dim**-0.5, options)
     return _post_attention(x, attn, *post)
 
 
@@ -249,7 +185,7 @@ def _varlen_half(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An MoE layer up to its router: attention, residual, post-attention norm; ``(x, h)``."""
     q, k, v = _pre_attention(x, cos, sin, *pre)
-    attn = _varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
+    attn = varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
     return _attention_out(x, attn, *post)
 
 
@@ -399,7 +335,7 @@ class PackedBody:
             elif self._varlen is None:
                 cfg: Any = self.model.config
                 heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-                self._varlen = _varlen_kwargs(heads, kv)
+                self._varlen = varlen_kwargs(heads, kv)
             # a power of two: FlashAttention only sizes its grid by it, and few distinct
             # values keep the compiled layer from recompiling for every batch
             max_len = max(1024, 1 << (max(lengths) - 1).bit_length())
