@@ -29,13 +29,18 @@ transformers forward to rounding (tested on a CPU for Qwen3, Qwen2 and Llama con
 Supported: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` with SiLU MLPs, no
 MLP bias, no sliding window and no attention dropout, and ``Qwen3MoeForCausalLM`` (its sparse
 layers through :mod:`agentrl.kernels.moe`: the model's router module, then grouped expert
-matmuls; its dense layers as above); :func:`unsupported_reason` says why not. Single process
-only: FSDP2's hooks fire on module forwards, which this body bypasses.
+matmuls; its dense layers as above); :func:`unsupported_reason` says why not.
+
+Under FSDP2 (several ranks), :meth:`PackedBody.shard_ready` makes each sharded decoder layer
+run as an FSDP2 forward method of its module: FSDP2's hooks gather the layer's parameters before
+it, free them after it and reduce its gradients in the backward, as around transformers'
+forward, and every lever above works as in one process (the same results to rounding).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -258,6 +263,10 @@ class PackedBody:
         self._out: Callable[..., Any] = _attention_out
         self._half: Callable[..., Any] = _selective_varlen_half if selective else _varlen_half
         self._experts: Callable[..., Any] = selective_moe_mlp if selective else moe_mlp
+        # what runs layer i: _block itself, or an FSDP2 forward method around it (shard_ready)
+        self._calls: list[Callable[..., torch.Tensor]] = [
+            partial(self._block, i) for i in range(self.num_layers)
+        ]
         if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
             options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if tuned else None
             self._pre = torch.compile(_pre_attention, dynamic=True, options=options)
@@ -318,6 +327,42 @@ class PackedBody:
             mlp.down_proj.weight,
             self.eps,
         )
+
+    def shard_ready(self) -> None:
+        """Run each layer that FSDP2 shards inside its module's FSDP2 forward hooks.
+
+        Call once ``fully_shard`` has wrapped the decoder layers. FSDP2 gathers a module's
+        parameters (and puts them on the module) in its pre-forward hook, then frees them and
+        registers the backward hooks in its post-forward hook; by default both fire around
+        ``forward`` only, which this body does not call. :func:`register_fsdp_forward_method`
+        puts the same hooks around another method of the module: here ``packed_forward``, this
+        body's computation of the layer, which reads the gathered parameters from the module.
+        Recomputation (``checkpoint_layers``, ``selective``) happens inside the layer's backward,
+        after FSDP2's pre-backward hook has gathered its parameters again, into the same
+        parameter objects.
+        """
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        for i, layer in enumerate(self.base.layers):
+            layer.packed_forward = partial(self._block, i)
+            register_fsdp_forward_method(layer, "packed_forward")  # no-op where not sharded
+            self._calls[i] = layer.packed_forward
+
+    def _block(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu: torch.Tensor,
+        lengths: list[int],
+    ) -> torch.Tensor:
+        """Layer ``i``, its activations recomputed in the backward if it is checkpointed."""
+        if i < self.checkpoint_layers and torch.is_grad_enabled() and not self._sparse[i]:
+            out = checkpoint(self._layer, i, x, cos, sin, cu, lengths, use_reentrant=False)
+            assert isinstance(out, torch.Tensor)
+            return out
+        return self._layer(i, x, cos, sin, cu, lengths)
 
     def _layer(
         self,
@@ -428,9 +473,6 @@ class PackedBody:
         x = self.base.embed_tokens(ids)  # (N, H), the parameters' dtype
         cos, sin = self.base.rotary_emb(x[None], pos)  # (1, N, D) in x's dtype
         cos, sin = cos[0], sin[0]
-        for i in range(self.num_layers):
-            if i < self.checkpoint_layers and torch.is_grad_enabled() and not self._sparse[i]:
-                x = checkpoint(self._layer, i, x, cos, sin, cu, lengths, use_reentrant=False)
-            else:
-                x = self._layer(i, x, cos, sin, cu, lengths)
+        for call in self._calls:
+            x = call(x, cos, sin, cu, lengths)
         return _rms_norm(x, self.base.norm.weight, self.eps)
