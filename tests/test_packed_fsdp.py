@@ -14,9 +14,9 @@ what the ranks computed together:
 
 The single-process run (in the test process) must match to float32 rounding.
 
-GPU (``gpu``, two cards): NCCL, bf16 autocast, compiled layers, selective recompute, Triton
-attention and the bf16 head; the 2-rank log-probs must equal a single-GPU run's within bf16
-tolerance.
+GPU (``gpu``, two cards): NCCL, bf16 autocast, compiled layers, one checkpointed layer and
+selective recompute in the others, Triton attention and the bf16 head; the 2-rank log-probs,
+loss and gradient must equal a single-GPU run's within bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ GPU = dict(
     body="packed",
     dtype="bfloat16",
     compile=True,
+    checkpoint_layers=1,
     selective_recompute=True,
     attention_kernel="triton",
     head_dtype="bfloat16",
