@@ -54,6 +54,9 @@ GPU = dict(
     head_dtype="bfloat16",
     recompute_old_logprobs=True,
     micro_batch_tokens=4096,
+    # no clipping: bf16 rounding must not move a sequence across the clip range's edge
+    eps_low=0.99,
+    eps_high=10.0,
 )
 PLAIN = dict(checkpoint_layers=0, selective_recompute=False)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -170,14 +173,16 @@ def test_packed_body_under_fsdp_matches_one_gpu(tmp_path: Path) -> None:
     one = torch.load(one_dir / "result.pt", weights_only=False)
     lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
     mask = lp != 0
-    # bf16 body: each rank packs other sequences together; log-probs agree to bf16 rounding
+    # bf16 body: each rank packs other sequences together, so the matmuls round differently;
+    # a sharding bug (a layer on wrong or partial weights) moves log-probs by far more
     assert (lp_dist[mask] - lp[mask]).abs().max() < 5e-2
     assert (lp_dist[mask] - lp[mask]).abs().mean() < 5e-3
     for key in ("loss/policy", "loss/grad_norm"):
-        assert dist["metrics"][key] == pytest.approx(one["metrics"][key], rel=2e-2), key
+        assert dist["metrics"][key] == pytest.approx(one["metrics"][key], rel=2e-2, abs=5e-3), key
+    # a gradient missing a rank's share (or summed instead of averaged) is off by about half
     g = torch.cat([v.flatten() for v in one["grads"].values()])
     g_dist = torch.cat([dist["grads"][k].flatten() for k in one["grads"]])
-    assert g.norm() > 0 and (g_dist - g).norm() / g.norm() < 5e-2
+    assert g.norm() > 0 and (g_dist - g).norm() / g.norm() < 0.1
 
 
 if __name__ == "__main__":
