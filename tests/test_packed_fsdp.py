@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.tiny import build_tiny, build_tiny_moe
@@ -98,6 +99,7 @@ def run(kind: str, device: str, settings: dict[str, Any]) -> dict[str, Any]:
     step = {**settings, **(PLAIN if device == "cpu" else {}), "lr": 1e-4, "num_minibatches": 2}
     two = Learner(build(kind, device), LearnerConfig(**step))
     return {
+        "sharded": [isinstance(layer, FSDPModule) for layer in one.model.base_model.layers],
         "logprobs": one.last_trainer_logprobs,
         "grads": grads,
         "metrics": metrics,
@@ -140,6 +142,7 @@ def test_packed_body_under_fsdp_matches_one_process(tmp_path: Path, kind: str) -
     torch.set_num_threads(1)
     one = run(kind, "cpu", CPU)
 
+    assert all(dist["sharded"]) and not any(one["sharded"])  # each layer its own FSDP2 unit
     lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
     assert lp.abs().max() > 1  # real log-probs, not zeros
     torch.testing.assert_close(lp_dist, lp, atol=2e-6, rtol=0)  # a few float32 ulps
