@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from agentrl.kernels.packed_body import _varlen_attention, _varlen_kwargs
+from agentrl.kernels.varlen import varlen_attention as flash_attention
+from agentrl.kernels.varlen import varlen_kwargs
 
 
 def _lengths(tokens: int, seed: int) -> list[int]:
@@ -77,9 +78,9 @@ def main() -> None:
     k = torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
-    fa_options = _varlen_kwargs(hq, hkv)
+    fa_options = varlen_kwargs(hq, hkv)
     kernels = {
-        "flash2": lambda: _varlen_attention(q, k, v, cu, max_len, scale, fa_options),
+        "flash2": lambda: flash_attention(q, k, v, cu, max_len, scale, fa_options),
     }
     try:
         from agentrl.kernels.attention import varlen_attention

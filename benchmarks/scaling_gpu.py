@@ -6,10 +6,14 @@
   update. Every rank gets the whole batch and trains its token-balanced share
   (:mod:`agentrl.learner.distributed`). Tokens/s counts the whole batch's tokens;
   ``scaling_efficiency_N = tokens/s on N GPUs / (N x tokens/s on 1 GPU)``; peak memory is the
-  largest of the ranks'. Every GPU count runs the same learner settings (``--body``; FSDP runs
-  ``transformers`` today, so the 1-GPU reference does too), so the ratio measures the sharding.
+  largest of the ranks'. Every GPU count runs the same learner settings, so the ratio measures
+  the sharding: by default the packed body with every lever of ``learner_gpu.py``'s headline
+  (bf16 autocast and bf16 head, compiled layers, selective recomputation, Triton attention
+  where Triton is installed), which runs under FSDP2 as in one process;
+  ``--body transformers`` measures transformers' forward instead.
 * **Loop** (``--loop``): ``agentrl train`` on ``arith-v0`` with a Qwen3-0.6B-shaped body on 1
-  and on 2 GPUs (``torchrun``; each rank's engine on its card), trained tokens/s of the steps.
+  and on 2 GPUs (``torchrun``; each rank's engine on its card), trained tokens/s of the steps,
+  with the same learner body and levers.
 * **Push**: ``benchmarks/weight_push.py``'s measurement for both shapes: the safetensors write
   plus ``/update_weights_from_disk`` vs the bucketed broadcast to ``agentrl serve`` on another
   card (NCCL; gloo on a CPU host).
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -83,21 +88,33 @@ def make_samples(args: argparse.Namespace, world: int, vocab: int) -> list[Train
     return out
 
 
-def learner_config(args: argparse.Namespace, shape: str) -> LearnerConfig:
+def body_levers(args: argparse.Namespace) -> dict[str, Any]:
+    """The learner body and its levers (``LearnerConfig`` fields), for the learner and the loop.
+
+    On a card: bf16 autocast and a bf16 head; the packed body (``--body packed``, the default,
+    or ``auto``) adds ``learner_gpu.py``'s headline levers: compiled layers, selective
+    recomputation and the Triton attention kernel (FlashAttention-2 without Triton).
+    """
     cuda = args.device == "cuda"
+    dtype = "bfloat16" if cuda else "float32"
+    kw: dict[str, Any] = dict(body=args.body, dtype=dtype, head_dtype=dtype)
+    if args.body != "transformers" and cuda:
+        kw.update(compile=True, selective_recompute=True)
+        if importlib.util.find_spec("triton") is not None:
+            kw["attention_kernel"] = "triton"
+    return kw
+
+
+def learner_config(args: argparse.Namespace, shape: str) -> LearnerConfig:
     kw: dict[str, Any] = dict(
         lr=1e-6,
         num_minibatches=1,
         micro_batch_tokens=args.micro_batch_tokens,
-        dtype="bfloat16" if cuda else "float32",
-        head_dtype="bfloat16" if cuda else "float32",
-        body=args.body,
         logprob_chunk_size=args.chunk_size,
+        **body_levers(args),
     )
     if shape == "qwen3-1.7b" and not args.no_checkpointing:
         kw["gradient_checkpointing"] = True  # float32 master weights and AdamW take 27 GB
-    if args.body == "packed" and cuda:
-        kw.update(compile=True, selective_recompute=True)
     return LearnerConfig(**kw)
 
 
@@ -194,8 +211,8 @@ def loop_config(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         # penalised, which gives the untrained policy's groups a signal to train on
         "advantages": {"shapers": [{"name": "format", "penalty": 1.0}]},
         "inference": {"max_batch_size": 256, "kv_cache_frac": 0.3},
-        # the same body on 1 and 2 GPUs (FSDP runs transformers' forward today)
-        "learner": {"lr": 1e-6, "num_minibatches": 1, "dtype": dtype, "body": "transformers"},
+        # the same body and levers on 1 and 2 GPUs as the learner measurement
+        "learner": {"lr": 1e-6, "num_minibatches": 1, **body_levers(args)},
         "train": {"steps": args.loop_steps, "tasks_per_step": args.loop_tasks, "eval_every": 0,
                   "max_staleness": 0},
     }  # fmt: skip
@@ -237,7 +254,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (1 2 4)")
     ap.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
-    ap.add_argument("--body", choices=["transformers", "packed", "auto"], default="transformers")
+    ap.add_argument("--body", choices=["transformers", "packed", "auto"], default="packed",
+                    help="packed: with every lever (compile, selective, Triton, bf16 head)")
     ap.add_argument("--num-seqs", type=int, default=32, help="sequences per GPU")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--response-min", type=int, default=256)

@@ -156,9 +156,9 @@ def test_unsupported_reason_and_body_choice_for_moe() -> None:
     assert unsupported_reason(model, moe=True) is None
     # dense-only users of the check (the paged engine) still see MoE as unsupported
     assert "Qwen3MoeForCausalLM" in (unsupported_reason(model) or "")
-    assert choose_body(Config(), model, torch.device("cuda"), 1) == "packed"
-    assert choose_body(Config(), model, torch.device("cpu"), 1) == "transformers"
-    assert choose_body(Config(body="packed"), model, torch.device("cpu"), 1) == "packed"
+    assert choose_body(Config(), model, torch.device("cuda")) == "packed"
+    assert choose_body(Config(), model, torch.device("cpu")) == "transformers"
+    assert choose_body(Config(body="packed"), model, torch.device("cpu")) == "packed"
 
 
 def _samples(n: int, seed: int) -> list[TrainSample]:

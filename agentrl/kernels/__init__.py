@@ -1,7 +1,8 @@
 """The GPU body of the learner: packed varlen layers, Triton attention and head kernels.
 
 Owns :mod:`~agentrl.kernels.packed_body` (a decoder run over sequences packed into one row,
-compiled layers), :mod:`~agentrl.kernels.moe` (its Mixture-of-Experts layers: the model's router
+compiled layers; its varlen attention call in :mod:`~agentrl.kernels.varlen`),
+:mod:`~agentrl.kernels.moe` (its Mixture-of-Experts layers: the model's router
 module, grouped expert matmuls), :mod:`~agentrl.kernels.recompute` (the selective-recompute
 policy), :mod:`~agentrl.kernels.attention` (varlen causal attention with GQA as a
 ``torch.library`` op, kernels in ``_attention_kernels``),

@@ -29,14 +29,18 @@ transformers forward to rounding (tested on a CPU for Qwen3, Qwen2 and Llama con
 Supported: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` with SiLU MLPs, no
 MLP bias, no sliding window and no attention dropout, and ``Qwen3MoeForCausalLM`` (its sparse
 layers through :mod:`agentrl.kernels.moe`: the model's router module, then grouped expert
-matmuls; its dense layers as above); :func:`unsupported_reason` says why not. Single process
-only: FSDP2's hooks fire on module forwards, which this body bypasses.
+matmuls; its dense layers as above); :func:`unsupported_reason` says why not.
+
+Under FSDP2 (several ranks), :meth:`PackedBody.shard_ready` makes each sharded decoder layer
+run as an FSDP2 forward method of its module: FSDP2's hooks gather the layer's parameters before
+it, free them after it and reduce its gradients in the backward, as around transformers'
+forward, and every lever above works as in one process (the same results to rounding).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from agentrl.kernels.moe import is_sparse, moe_mlp, moe_unsupported_reason, selective_moe_mlp
 from agentrl.kernels.recompute import recompute_selectively, selective_context
 from agentrl.kernels.transfer import to_device
+from agentrl.kernels.varlen import varlen_attention, varlen_kwargs
 
 __all__ = ["PackedBody", "unsupported_reason"]
 
@@ -156,70 +161,6 @@ def _attention_out(
     return x, _rms_norm(x, ln, eps)
 
 
-def _varlen_kwargs(num_heads: int, num_kv_heads: int) -> dict[str, Any]:
-    """Keyword arguments for this torch's ``varlen_attn``: causal, and KV-head sharing.
-
-    ``repeat`` is 1 when it takes fewer KV heads than query heads as they are (FlashAttention
-    shares them itself), else how many times to repeat each KV head.
-    """
-    from torch.nn.attention.varlen import varlen_attn
-
-    attend: Any = varlen_attn  # its keywords differ between torch versions
-    params = inspect.signature(varlen_attn).parameters
-    kwargs: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {}
-    if not kwargs:
-        kwargs["window_size"] = (-1, 0)
-    repeat = num_heads // num_kv_heads
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"], repeat = True, 1
-    elif repeat > 1:  # FlashAttention itself shares KV heads; check that this wrapper lets it
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(96, num_heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        kv = torch.randn(2, 96, num_kv_heads, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        cu = torch.tensor([0, 40, 96], dtype=torch.int32, device="cuda")
-        full = [t.repeat_interleave(repeat, dim=1) for t in kv]
-        try:
-            native = attend(q, kv[0], kv[1], cu, cu, 56, 56, **kwargs)
-            ok = torch.allclose(native, attend(q, *full, cu, cu, 56, 56, **kwargs), atol=1e-2)
-        except RuntimeError:
-            ok = False
-        repeat = 1 if ok else repeat
-    kwargs["repeat"] = repeat
-    return kwargs
-
-
-def _varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    max_len: int,
-    scale: float,
-    options: dict[str, Any],
-) -> torch.Tensor:
-    """Causal attention over the sequences that ``cu`` (cumulative offsets) delimits.
-
-    FlashAttention-2 (torch's ``varlen_attn``), or this project's Triton kernel where
-    ``options`` says ``kernel="triton"`` (:mod:`agentrl.kernels.attention`).
-    """
-    dtype = v.dtype  # under autocast: the projections' low precision
-    q, k = q.to(dtype), k.to(dtype)
-    if options.get("kernel") == "triton":
-        from agentrl.kernels.attention import varlen_attention
-
-        return varlen_attention(q, k, v, cu, max_len, scale, check_offsets=False)
-    from torch.nn.attention.varlen import varlen_attn
-
-    attend: Any = varlen_attn  # its keywords differ between torch versions
-    kwargs = dict(options)
-    repeat = kwargs.pop("repeat")
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = attend(q, k, v, cu, cu, max_len, max_len, scale=scale, **kwargs)
-    assert isinstance(out, torch.Tensor)
-    return out
-
-
 def _varlen_layer(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -233,7 +174,7 @@ def _varlen_layer(
     """A whole decoder layer with varlen attention: one graph for ``torch.compile``."""
     q, k, v = _pre_attention(x, cos, sin, *pre)
     head_dim = pre[-1]
-    attn = _varlen_attention(q, k, v, cu, max_len, head_dim**-0.5, options)
+    attn = varlen_attention(q, k, v, cu, max_len, head_dim**-0.5, options)
     return _post_attention(x, attn, *post)
 
 
@@ -249,7 +190,7 @@ def _varlen_half(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An MoE layer up to its router: attention, residual, post-attention norm; ``(x, h)``."""
     q, k, v = _pre_attention(x, cos, sin, *pre)
-    attn = _varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
+    attn = varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
     return _attention_out(x, attn, *post)
 
 
@@ -322,6 +263,10 @@ class PackedBody:
         self._out: Callable[..., Any] = _attention_out
         self._half: Callable[..., Any] = _selective_varlen_half if selective else _varlen_half
         self._experts: Callable[..., Any] = selective_moe_mlp if selective else moe_mlp
+        # what runs layer i: _block itself, or an FSDP2 forward method around it (shard_ready)
+        self._calls: list[Callable[..., torch.Tensor]] = [
+            partial(self._block, i) for i in range(self.num_layers)
+        ]
         if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
             options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if tuned else None
             self._pre = torch.compile(_pre_attention, dynamic=True, options=options)
@@ -383,6 +328,42 @@ class PackedBody:
             self.eps,
         )
 
+    def shard_ready(self) -> None:
+        """Run each layer that FSDP2 shards inside its module's FSDP2 forward hooks.
+
+        Call once ``fully_shard`` has wrapped the decoder layers. FSDP2 gathers a module's
+        parameters (and puts them on the module) in its pre-forward hook, then frees them and
+        registers the backward hooks in its post-forward hook; by default both fire around
+        ``forward`` only, which this body does not call. :func:`register_fsdp_forward_method`
+        puts the same hooks around another method of the module: here ``packed_forward``, this
+        body's computation of the layer, which reads the gathered parameters from the module.
+        Recomputation (``checkpoint_layers``, ``selective``) happens inside the layer's backward,
+        after FSDP2's pre-backward hook has gathered its parameters again, into the same
+        parameter objects.
+        """
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        for i, layer in enumerate(self.base.layers):
+            layer.packed_forward = partial(self._block, i)
+            register_fsdp_forward_method(layer, "packed_forward")  # no-op where not sharded
+            self._calls[i] = layer.packed_forward
+
+    def _block(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu: torch.Tensor,
+        lengths: list[int],
+    ) -> torch.Tensor:
+        """Layer ``i``, its activations recomputed in the backward if it is checkpointed."""
+        if i < self.checkpoint_layers and torch.is_grad_enabled() and not self._sparse[i]:
+            out = checkpoint(self._layer, i, x, cos, sin, cu, lengths, use_reentrant=False)
+            assert isinstance(out, torch.Tensor)
+            return out
+        return self._layer(i, x, cos, sin, cu, lengths)
+
     def _layer(
         self,
         i: int,
@@ -399,7 +380,7 @@ class PackedBody:
             elif self._varlen is None:
                 cfg: Any = self.model.config
                 heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-                self._varlen = _varlen_kwargs(heads, kv)
+                self._varlen = varlen_kwargs(heads, kv)
             # a power of two: FlashAttention only sizes its grid by it, and few distinct
             # values keep the compiled layer from recompiling for every batch
             max_len = max(1024, 1 << (max(lengths) - 1).bit_length())
@@ -492,9 +473,6 @@ class PackedBody:
         x = self.base.embed_tokens(ids)  # (N, H), the parameters' dtype
         cos, sin = self.base.rotary_emb(x[None], pos)  # (1, N, D) in x's dtype
         cos, sin = cos[0], sin[0]
-        for i in range(self.num_layers):
-            if i < self.checkpoint_layers and torch.is_grad_enabled() and not self._sparse[i]:
-                x = checkpoint(self._layer, i, x, cos, sin, cu, lengths, use_reentrant=False)
-            else:
-                x = self._layer(i, x, cos, sin, cu, lengths)
+        for call in self._calls:
+            x = call(x, cos, sin, cu, lengths)
         return _rms_norm(x, self.base.norm.weight, self.eps)

@@ -59,7 +59,8 @@ class LearnerConfig(BaseModel):
     body: Literal["auto", "transformers", "packed"] = "auto"
     """How the model body runs on a packed micro-batch: ``transformers`` (its own forward),
     ``packed`` (:mod:`agentrl.kernels.packed_body`: varlen attention, fusable layers; Qwen3, Qwen2,
-    Llama, one process) or ``auto`` (packed on CUDA where supported, else transformers)."""
+    Llama, Qwen3-MoE; one process or FSDP2 ranks) or ``auto`` (packed on CUDA where supported,
+    else transformers)."""
     compile: bool = False
     """``torch.compile`` the packed body's per-layer functions (fused norms, rotary, SwiGLU,
     residual adds) and the head's log-softmax and its gradient (one pass over the logits); the

@@ -4,7 +4,10 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
 
 * the model is sharded with FSDP2: ``fully_shard`` on every decoder block (the model's
   ``_no_split_modules``) and then on the root module that computes the log-probs, so that the
-  embedding, final norm and head are gathered around the head computation too;
+  embedding, final norm and head are gathered around the head computation too; the packed
+  body then runs each block as an FSDP2 forward method of the block's module
+  (:meth:`~agentrl.kernels.packed_body.PackedBody.shard_ready`), so the same hooks gather,
+  free and reduce its parameters as around transformers' forward;
 * every rank receives the same whole batch and keeps a token-balanced share of each
   mini-batch (:func:`rank_share`, deterministic, so ranks agree without talking);
 * every rank runs the same number of micro-batches (:func:`equalize_counts` pads with empty
@@ -30,7 +33,11 @@ def world() -> tuple[int, int]:
 
 
 def shard(model: nn.Module, root: nn.Module, device: torch.device, world_size: int) -> None:
-    """Shard ``model``'s decoder blocks and then ``root`` (which contains ``model``) with FSDP2."""
+    """Shard ``model``'s decoder blocks and then ``root`` (which contains ``model``) with FSDP2.
+
+    A packed body on ``root`` (``root.body``) is told, so that it runs the sharded blocks
+    through FSDP2's hooks.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -40,6 +47,9 @@ def shard(model: nn.Module, root: nn.Module, device: torch.device, world_size: i
         if type(sub).__name__ in blocks:
             fully_shard(sub, mesh=mesh)
     fully_shard(root, mesh=mesh)
+    body = getattr(root, "body", None)  # a PackedBody: run its layers in FSDP2's hooks
+    if body is not None:
+        body.shard_ready()
 
 
 def rank_share(

@@ -18,16 +18,16 @@ from agentrl.learner.config import LearnerConfig
 from agentrl.learner.logprobs import LogprobModel
 
 
-def choose_body(
-    config: LearnerConfig, model: PreTrainedModel, device: torch.device, world_size: int
-) -> str:
-    """``packed`` or ``transformers``, from ``config.body`` and what can run here."""
+def choose_body(config: LearnerConfig, model: PreTrainedModel, device: torch.device) -> str:
+    """``packed`` or ``transformers``, from ``config.body`` and what can run here.
+
+    The same with any number of ranks: under FSDP2 the packed body runs each sharded layer
+    through the layer module's FSDP2 hooks (:meth:`PackedBody.shard_ready`).
+    """
     wanted = config.body
     if wanted == "transformers":
         return wanted
     reason = unsupported_reason(model, moe=True)  # MoE: grouped experts (agentrl.kernels.moe)
-    if reason is None and world_size > 1:
-        reason = "FSDP (more than one rank)"
     if wanted == "packed" and reason is not None:
         raise ConfigError(f"body: 'packed' does not support {reason}; use body='transformers'")
     if wanted == "auto" and (reason is not None or device.type != "cuda"):

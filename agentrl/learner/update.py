@@ -141,7 +141,7 @@ class Learner(LearnerWeights):
         self.architecture = type(model).__name__  # before FSDP renames the class
         self._attn = str(model.config._attn_implementation)
         nn.Module.to(model, torch.float32)  # float32 master weights
-        self.body = choose_body(config, model, self.device, self.world_size)
+        self.body = choose_body(config, model, self.device)
         if self.body == "packed":
             self._attn = "packed"  # no mask: the packed body reads the sequence lengths
         elif config.checkpoint_layers or config.selective_recompute:
