@@ -259,7 +259,27 @@ class StepRouting:
         """Around a micro-batch's forward and backward: replay its records if asked to."""
         if not self.replaying:
             return nullcontext()
-        return replaying(self.model, self.experts(micro))
+        return self._replaying(self.experts(micro))
+
+    @contextmanager
+    def _replaying(self, experts: torch.Tensor) -> Iterator[None]:
+        calls = [0]
+
+        def count(*_: Any) -> None:
+            calls[0] += 1
+
+        handles = [r.register_forward_pre_hook(count) for r in routers(self.model)]
+        try:
+            with replaying(self.model, experts):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        if not calls[0]:  # a body that bypasses the router modules would train unreplayed
+            raise RuntimeError(
+                "learner.routing_replay: the model's routers never ran in this forward; the "
+                "learner's body must call them (transformers' forward does)"
+            )
 
     def _wants_before(self, micro: list[int]) -> bool:
         return self.metrics and bool(micro) and tuple(micro) not in self.before
@@ -302,9 +322,18 @@ class StepRouting:
             stats.later(lambda s: s.mean("loss/router_aux", value.item(), 1.0))
         return out, logprobs, zero, aux
 
+    def _check_rows(self, micro: list[int], routing: torch.Tensor) -> None:
+        tokens = sum(len(self.samples[i].tokens) for i in micro)
+        if routing.shape[0] != tokens:
+            raise RuntimeError(
+                f"routing metrics: the routers saw {routing.shape[0]} tokens of a packed row of "
+                f"{tokens}; the learner's body must call the model's routers once per token"
+            )
+
     def _keep_before(
         self, micro: list[int], routing: torch.Tensor, logprobs: torch.Tensor, stats: StepStats
     ) -> None:
+        self._check_rows(micro, routing)
         self.before[tuple(micro)] = (routing, logprobs.detach())
         if self.has_records:  # (a): engine vs learner on the weights that sampled
             engine = self.experts(micro)
@@ -353,6 +382,7 @@ class StepRouting:
             with RoutingCapture(self.model, device=self.device) as cap:
                 batch, after_lp = run(m)
             after = cap.pop()
+            self._check_rows(m, after)
             before, before_lp = self.before[tuple(m)]
             overlap = expert_overlap(before, after)
             _per_layer(stats, "expert_volatility", 1.0 - overlap, _valid_rows(before, after))
