@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
-from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.learner import Learner, LearnerConfig, TrainSample, samples_from_trajectories
 from agentrl.learner.routing_stats import packed_experts, router_aux_loss
 from agentrl.routing import RoutingCapture, routers
 from agentrl.tiny import build_tiny, build_tiny_moe
@@ -168,6 +169,27 @@ def test_train_sample_validates_routing() -> None:
         TrainSample([1, 2, 3], [0, 1, 1], [0.0] * 3, [0] * 3, [0.0] * 3, np.zeros((2, 2, 2)))
     s = TrainSample([1, 2], [0, 1], [0.0] * 2, [0] * 2, [0.0] * 2, np.ones((1, 2, 2), np.int64))
     assert s.routed_experts is not None and s.routed_experts.dtype == np.int16
+
+
+def test_samples_from_trajectories_reads_the_engine_routing() -> None:
+    # the engine's Trajectory.routed_experts (RoutedExperts: ``.array()``), duck-typed here so
+    # this runs before and after the engine side lands
+    class Record:
+        def __init__(self, rows: np.ndarray) -> None:
+            self.rows = rows
+
+        def array(self) -> np.ndarray:
+            return self.rows
+
+    rows = np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2) % 8
+    traj = SimpleNamespace(
+        tokens=[5, 6, 7], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -2.0], versions=[-1, 0, 0],
+        routed_experts=Record(rows),
+    )  # fmt: skip
+    dense = SimpleNamespace(**{**vars(traj), "routed_experts": None})
+    a, b = samples_from_trajectories([traj, dense], [[0.0, 1.0, 1.0]] * 2)
+    assert a.routed_experts is not None and np.array_equal(a.routed_experts, rows)
+    assert b.routed_experts is None
 
 
 def test_replay_needs_routing_and_an_moe_model() -> None:
