@@ -318,7 +318,15 @@ def machine(device: str) -> str:
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} ({platform.node()})"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} torch threads"
 
 
 if __name__ == "__main__":
