@@ -75,6 +75,18 @@ class LearnerConfig(BaseModel):
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);
     ``auto`` follows ``dtype``."""
+    routing_replay: bool = False
+    """MoE models: every forward of the update (old-log-prob recompute included) uses the experts
+    the engine recorded for each token (``TrainSample.routed_experts``) instead of its own
+    top-k: the paper's *Routing Replay*, the GRPO baseline's crutch on MoE models."""
+    routing_metrics: bool = True
+    """MoE models: report routing every step (``routing/*``: engine vs learner expert agreement,
+    expert volatility across the update, ratio statistics split by changed routing); costs a
+    no-grad forward after the update (and one before it for mini-batches whose pre-update
+    routing no forward already saw). No effect on dense models."""
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """MoE models: weight of the switch-style load-balancing loss added to the policy loss
+    (``E * sum_e f_e P_e`` per layer, averaged over layers; 1 when balanced)."""
     seed: int = 0
     """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
 

@@ -26,7 +26,7 @@ prompt or observation tokens (:mod:`agentrl.learner.logprobs`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -53,6 +53,10 @@ class TrainSample:
     """Weight version that sampled each token (-1 where ``loss_mask`` is 0)."""
     advantages: list[float]
     """Per-token advantage (read only where ``loss_mask`` is 1)."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """MoE models: the experts each token went through, ``(len(tokens) - 1, layers, top_k)``
+    int16 (row ``i`` for token ``i``; the last token is never fed back; -1 = unknown), as the
+    engine recorded them; ``None`` for dense models or when not recorded."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -63,6 +67,17 @@ class TrainSample:
                 raise ValueError(f"{name}: expected {n} entries, got {len(getattr(self, name))}")
         if self.loss_mask[0]:
             raise ValueError("loss_mask: expected 0 for the first token (nothing predicts it)")
+        if self.routed_experts is not None:
+            experts = np.asarray(self.routed_experts)
+            if experts.ndim != 3 or experts.shape[0] != n - 1:
+                raise ValueError(
+                    f"routed_experts: expected shape ({n - 1}, layers, top_k), got {experts.shape}"
+                )
+            if not np.issubdtype(experts.dtype, np.integer):
+                raise TypeError(f"routed_experts: expected integer ids, got {experts.dtype}")
+            if experts.size and int(experts.min()) < -1:
+                raise ValueError("routed_experts: expected expert ids >= 0 or -1 (unknown)")
+            object.__setattr__(self, "routed_experts", experts.astype(np.int16, copy=False))
 
     @property
     def num_loss_tokens(self) -> int:
@@ -76,7 +91,8 @@ def samples_from_trajectories(
     """Turn trajectories and their per-token advantages into :class:`TrainSample` records.
 
     Args:
-        trajectories: episodes (``tokens``, ``loss_mask``, ``logprobs``, ``versions``).
+        trajectories: episodes (``tokens``, ``loss_mask``, ``logprobs``, ``versions`` and, for an
+            MoE model, ``routed_experts`` when the engine recorded them).
         token_advantages: one advantage per token of each trajectory.
 
     Returns:
@@ -89,6 +105,7 @@ def samples_from_trajectories(
     out = []
     for traj, adv in zip(trajectories, token_advantages, strict=True):
         values = adv.tolist() if isinstance(adv, torch.Tensor) else list(adv)
+        routed = getattr(traj, "routed_experts", None)  # MoE: the engine's routing record
         out.append(
             TrainSample(
                 tokens=list(traj.tokens),
@@ -96,6 +113,7 @@ def samples_from_trajectories(
                 logprobs=list(traj.logprobs),
                 versions=list(traj.versions),
                 advantages=[float(v) for v in values],
+                routed_experts=None if routed is None else routed.array(),
             )
         )
     return out

@@ -16,14 +16,18 @@ One :meth:`Learner.step` takes a rollout batch of :class:`TrainSample` and:
   ``w = min(exp(old_trainer - old_engine), tis_cap)``, per token or, with ``"sequence"``, one
   weight per sequence from the *mean* log-ratio (GSPO's length-normalised ratio, not the product,
   which explodes with length); ``tis/capped_frac`` is the share of tokens whose weight was capped;
-* optionally adds ``kl_coef * KL(π_θ || π_ref)`` against a frozen reference model.
+* optionally adds ``kl_coef * KL(π_θ || π_ref)`` against a frozen reference model;
+* on a Mixture-of-Experts model, optionally replays the engine's routing in every forward
+  (``routing_replay``), adds a load-balancing loss (``router_aux_loss_coef``) and reports routing
+  metrics (``routing_metrics``): :mod:`agentrl.learner.routing_stats`.
 
 Metrics: ``loss/policy`` (mean over mini-batches), ``loss/clip_frac_tokens``,
 ``loss/clip_frac_seqs``, ``loss/ratio_mean|min|max``, ``loss/approx_kl``, ``loss/grad_norm``
 (before clipping, mean and ``_max`` over mini-batches), ``mismatch/mean_abs|max_abs`` (per token)
 and ``mismatch/seq_log_ratio_mean|_abs_max`` (per sequence, the log of the ratio GSPO would see
 at the first mini-batch from mismatch alone), ``tis/capped_frac|weight_mean``,
-``loss/kl`` and ``kl/token_mean|token_max``, ``perf/train_s|tokens|tokens_per_s|recompute_s``.
+``loss/kl`` and ``kl/token_mean|token_max``, ``perf/train_s|tokens|tokens_per_s|recompute_s``;
+MoE models: ``routing/*`` and ``loss/router_aux``.
 The trainer's pre-update log-probs are kept in :attr:`Learner.last_trainer_logprobs`.
 
 Precision: parameters, gradients and AdamW states stay float32 (the master weights). With
@@ -44,6 +48,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +77,7 @@ from agentrl.learner.packing import (
     masked_values,
     pack_sequences,
 )
+from agentrl.learner.routing_stats import StepRouting, check_routing_config, finish_metrics
 
 __all__ = ["Learner"]
 
@@ -139,6 +145,8 @@ class Learner(LearnerWeights):
         self.device = next(model.parameters()).device
         self.export_dtype = next(model.parameters()).dtype
         self.architecture = type(model).__name__  # before FSDP renames the class
+        self._moe = check_routing_config(model, config)  # (layers, top_k, experts) or None
+        self._routing: StepRouting | None = None  # the current step's, on an MoE model
         self._attn = str(model.config._attn_implementation)
         nn.Module.to(model, torch.float32)  # float32 master weights
         self.body = choose_body(config, model, self.device)
@@ -205,21 +213,37 @@ class Learner(LearnerWeights):
         minibatches, micro = self._plan(samples)
         prepared = _Prepared(self._build, samples)
         stats = StepStats()
+        c, routing = self.config, None
+        if self._moe is not None:
+            routing = StepRouting(self.model, c, self._moe, samples, self.device)
+        self._routing = routing
         old_trainer: dict[int, torch.Tensor] | None = None
-        if self.config.recompute_old_logprobs:
-            old_trainer = self._recompute(samples, micro, prepared)
+        if c.recompute_old_logprobs:
+            old_trainer = self._recompute(samples, micro, prepared, stats)
             stats.extreme("perf/recompute_s", time.perf_counter() - t0, high=True)
+        if routing is not None:  # pre-update routing no pre-update forward below will see
+            seen = 0 if routing.replaying else len(micro) if c.recompute_old_logprobs else 1
+            probe = lambda m: self._probe(prepared, m)  # noqa: E731
+            routing.capture_missing([m for mk in micro[seen:] for m in mk], probe, stats)
         first: dict[int, torch.Tensor] = {}
         self.module.train()
         for k, (indices, micro_k) in enumerate(zip(minibatches, micro, strict=True)):
             num_seqs = max(1, sum(1 for i in indices if samples[i].num_loss_tokens))
             for m in micro_k:  # mismatch metrics on the first mini-batch (before any update)
-                self._micro_step(samples, m, prepared, num_seqs, old_trainer, stats, first, k == 0)
+                with routing.replay(m) if routing is not None else nullcontext():
+                    self._micro_step(
+                        samples, m, prepared, num_seqs, old_trainer, stats, first, k == 0
+                    )
             self._optimizer_step(stats)
+        if routing is not None:
+            all_micro = [m for mk in micro for m in mk]
+            routing.after_update(all_micro, lambda m: self._probe(prepared, m), stats)
+            self._routing = None
         self.last_trainer_logprobs = trainer_logprobs_by_sample(
             samples, old_trainer if old_trainer is not None else first
         )
         out = stats.merged().result()
+        finish_metrics(out)
         for key in ("loss/policy", "loss/kl"):  # summed over micro-batches and ranks
             if key in out:
                 out[key] /= len(minibatches)
@@ -271,18 +295,38 @@ class Learner(LearnerWeights):
         counts = [samples[i].num_loss_tokens for i in micro]
         return dict(zip(micro, flat.detach().split(counts), strict=True))
 
+    def _forward_routed(
+        self, prepared: _Prepared, micro: list[int], stats: StepStats, *, pre_update: bool
+    ) -> tuple[_Micro, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_forward` with the step's routing hooks; also returns the aux loss, if any."""
+        if self._routing is None:
+            return (*self._forward(self.module, prepared, micro), None)
+        run = lambda: self._forward(self.module, prepared, micro)  # noqa: E731
+        m = prepared.get(micro)
+        train = torch.is_grad_enabled()
+        return self._routing.run(micro, run, m.batch, stats, pre_update=pre_update, train=train)
+
+    @torch.no_grad()
+    def _probe(self, prepared: _Prepared, micro: list[int]) -> tuple[PackedBatch, torch.Tensor]:
+        """A no-grad forward with the model's own routing (routing metrics)."""
+        self.module.eval()
+        m, logprobs, _ = self._forward(self.module, prepared, micro)
+        return m.batch, logprobs
+
     @torch.no_grad()
     def _recompute(
         self,
         samples: Sequence[TrainSample],
         micro: list[list[list[int]]],
         prepared: _Prepared,
+        stats: StepStats,
     ) -> dict[int, torch.Tensor]:
         """The trainer's log-probs of every sample this rank trains on, before any update."""
         self.module.eval()
         out: dict[int, torch.Tensor] = {}
         for m in (m for micro_k in micro for m in micro_k):
-            _, logprobs, _ = self._forward(self.module, prepared, m)
+            with self._routing.replay(m) if self._routing is not None else nullcontext():
+                _, logprobs, _, _ = self._forward_routed(prepared, m, stats, pre_update=True)
             out.update(self._split(samples, m, logprobs))
         return out
 
@@ -297,7 +341,7 @@ class Learner(LearnerWeights):
         first: dict[int, torch.Tensor] | None,
         mismatch: bool = False,
     ) -> None:
-        m, logprobs, zero = self._forward(self.module, prepared, micro)
+        m, logprobs, zero, aux = self._forward_routed(prepared, micro, stats, pre_update=mismatch)
         batch, engine, adv = m.batch, m.engine, m.advantages
         if batch.targets.numel() == 0:  # nothing trains here; keep the collectives in step
             zero.backward()
@@ -318,6 +362,8 @@ class Learner(LearnerWeights):
             stats.later(lambda s: s.mean("tis/capped_frac", capped_frac.item(), n))
             stats.later(lambda s: s.mean("tis/weight_mean", w_mean.item(), n))
         loss = self._policy_loss(batch, logprobs, old, adv, num_seqs, stats)
+        if aux is not None:  # load balancing, this micro-batch's share of the mini-batch's
+            loss = loss + self.config.router_aux_loss_coef * aux * (batch.num_seqs / num_seqs)
         if self.ref is not None and self.config.kl_coef > 0:
             loss = loss + self.config.kl_coef * self._kl(batch, logprobs, num_seqs, stats)
         # FSDP averages gradients over ranks; this loss is this rank's share summed / num_seqs
