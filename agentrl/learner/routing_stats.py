@@ -16,7 +16,8 @@ never fed back).
   routing and log-probs (one no-grad forward after the last optimizer step). Keys:
 
   - ``routing/engine_learner_expert_agreement`` (and ``.../layer_{l}``): share of activated
-    experts the engine's record and the learner's before-routing agree on;
+    experts the engine's record and the learner's before-routing agree on, over the samples the
+    learner's current weight version sampled (stale ones were routed by other weights);
   - ``routing/expert_volatility`` (and ``.../layer_{l}``): the paper's expert-activation
     volatility, the share of activated experts that differ before vs after the update, over
     every token of the packed rows;
@@ -229,8 +230,10 @@ class StepRouting:
         shape: tuple[int, int, int],
         samples: Sequence[TrainSample],
         device: torch.device,
+        version: int | None = None,
     ) -> None:
         self.model, self.config, self.samples, self.device = model, config, samples, device
+        self.version = version  # the learner's weights: agreement compares only what they sampled
         self.layers, self.top_k, self.num_experts = shape
         self.replaying = config.routing_replay
         self.metrics = config.routing_metrics
@@ -336,13 +339,29 @@ class StepRouting:
         self._check_rows(micro, routing)
         self.before[tuple(micro)] = (routing, logprobs.detach())
         if self.has_records:  # (a): engine vs learner on the weights that sampled
-            engine = self.experts(micro)
+            engine = self._same_weights(micro, self.experts(micro))
             _per_layer(
                 stats,
                 "engine_learner_expert_agreement",
                 expert_overlap(engine, routing),
                 _valid_rows(engine, routing),
             )
+
+    def _same_weights(self, micro: list[int], engine: torch.Tensor) -> torch.Tensor:
+        """``engine`` with the rows of samples another weight version sampled set to -1.
+
+        A stale sample (the overlapped loop trains on rollouts one version old) was routed by
+        other weights: comparing it would measure the update, not the engine.
+        """
+        if self.version is None:
+            return engine
+        keep = []
+        for i in micro:
+            s = self.samples[i]
+            same = all(v == self.version for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
+            keep += [same] * len(s.tokens)
+        mask = torch.tensor(keep, device=engine.device)[:, None, None]
+        return torch.where(mask, engine, torch.full_like(engine, -1))
 
     def capture_missing(
         self,

@@ -215,7 +215,9 @@ class Learner(LearnerWeights):
         stats = StepStats()
         c, routing = self.config, None
         if self._moe is not None:
-            routing = StepRouting(self.model, c, self._moe, samples, self.device)
+            routing = StepRouting(
+                self.model, c, self._moe, samples, self.device, self.weight_version
+            )
         self._routing = routing
         old_trainer: dict[int, torch.Tensor] | None = None
         if c.recompute_old_logprobs:
