@@ -56,6 +56,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.learner import Learner, LearnerConfig, TrainSample
+from agentrl.learner.distributed import StepStats
 from agentrl.learner.update import _Prepared
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_tokenizer, tiny_config
 
@@ -126,7 +127,7 @@ def with_engine_logprobs(learner: Learner, samples: list[TrainSample]) -> list[T
     """The samples with this learner's own pre-update log-probs as the engine's (ratio 1)."""
     minibatches, micro = learner._plan(samples)
     prepared = _Prepared(learner._build, samples)
-    own = learner._recompute(samples, micro, prepared)
+    own = learner._recompute(samples, micro, prepared, StepStats())
     out = []
     for i, s in enumerate(samples):
         values = iter(own[i].float().cpu().tolist())
