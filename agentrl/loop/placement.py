@@ -141,6 +141,21 @@ def load_policy(config: TrainConfig) -> tuple[Any, Any]:
     return model.to(device=resolve_device(config.model.device), dtype=dtype), tok
 
 
+def make_remote_client(model: Any, config: TrainConfig) -> Any:
+    """The SGLang client of ``inference.endpoints``; for an MoE policy it knows the routing shape.
+
+    SGLang returns ``routed_experts`` as a flat array, so the client needs ``(layers, top_k)``,
+    which only the policy (the same architecture the servers run) can tell.
+    """
+    from agentrl.inference.client import SGLangClient
+    from agentrl.routing import is_moe, routing_shape
+
+    options = config.inference.client_options()
+    if is_moe(model):
+        options["routed_experts_shape"] = routing_shape(model)[:2]
+    return SGLangClient(config.inference.endpoints, **options)
+
+
 def make_local_engine(
     model: Any, tokenizer: Any, config: TrainConfig, *, copy_model: bool = True
 ) -> Any:

@@ -38,6 +38,7 @@ from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import (
     load_policy,
     make_local_engine,
+    make_remote_client,
     make_weight_push,
     on_side_stream,
     push_weights,
@@ -141,10 +142,7 @@ class Trainer:
 
     def _make_client(self) -> InferenceClient:
         if self.config.inference.endpoints:
-            from agentrl.inference.client import SGLangClient
-
-            inference = self.config.inference
-            return SGLangClient(inference.endpoints, **inference.client_options())
+            return make_remote_client(self.model, self.config)
         if self._engine_model is not None:  # an unsharded copy of the policy, this rank's
             engine_model, self._engine_model = self._engine_model, None
             return make_local_engine(engine_model, self.tokenizer, self.config, copy_model=False)
