@@ -139,10 +139,21 @@ def addition_run(run_dir: Path, shuffle: bool) -> dict:
     }
 
 
+def _addition_summary(run_dir: str, shuffle: bool) -> dict:
+    """One :func:`addition_run` in a process of its own, on one thread (two run side by side)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return asyncio.run(Trainer(load_config(addition_run(Path(run_dir), shuffle))).run())
+
+
 @pytest.mark.slow
 def test_gains_come_from_the_reward(tmp_path: Path) -> None:
-    real = asyncio.run(Trainer(load_config(addition_run(tmp_path / "real", False))).run())
-    control = asyncio.run(Trainer(load_config(addition_run(tmp_path / "ctl", True))).run())
+    import multiprocessing
+
+    runs = [(str(tmp_path / "real"), False), (str(tmp_path / "ctl"), True)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        real, control = pool.starmap(_addition_summary, runs)
     # same seed, same cold start: both start from the same held-out success
     assert real["success_start"] == control["success_start"]
     gain = real["success_end"] - real["success_start"]
