@@ -152,12 +152,22 @@ def build_tiny_model(
 ) -> Qwen3ForCausalLM:
     """A float32 Qwen3 model with seeded random weights sized for ``tokenizer``."""
     tokenizer = tokenizer or build_tiny_tokenizer()
-    config = tiny_config(len(tokenizer), **overrides)
+    return _seeded(Qwen3ForCausalLM, tiny_config(len(tokenizer), **overrides), tokenizer, seed)
+
+
+def _seeded(cls: Any, config: Any, tokenizer: PreTrainedTokenizerFast, seed: int) -> Any:
+    """``cls(config)`` in float32 eval mode, weights drawn from ``seed``, ids from ``tokenizer``."""
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = cls(config)
+        # transformers leaves an MoE router at zeros (every expert ties); a small random router
+        # makes the choice depend on the token, as in a trained model.
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                torch.nn.init.normal_(gate.weight, std=config.initializer_range)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.float().eval()
@@ -201,20 +211,7 @@ def build_tiny_moe(
     """A float32 Qwen3-MoE model with seeded random weights, and the tiny tokenizer."""
     tokenizer = build_tiny_tokenizer()
     config = tiny_moe_config(len(tokenizer), **overrides)
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config)
-        # transformers leaves the router at zeros (every expert ties); a small random router
-        # makes the choice depend on the token, as in a trained model.
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                torch.nn.init.normal_(gate.weight, std=config.initializer_range)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.float().eval(), tokenizer
+    return _seeded(Qwen3MoeForCausalLM, config, tokenizer, seed), tokenizer
 
 
 PRESETS = ("tiny", "tiny-moe")
