@@ -246,7 +246,16 @@ def run_push(args: argparse.Namespace) -> dict[str, Any]:
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     shapes = ["tiny"] if args.device == "cpu" else [s for s in args.shapes if s != "tiny"]
-    return {s: asyncio.run(measure(s, args.repeats, gpus)) for s in shapes}
+    out = {}
+    for s in shapes:
+        out[s] = asyncio.run(measure(s, args.repeats, gpus))
+        progress(f"push {s}: {out[s]}")
+    return out
+
+
+def progress(line: str) -> None:
+    """One measurement, printed (flushed) as soon as it is made."""
+    print(f"[progress] {line}", flush=True)
 
 
 def parse_args() -> argparse.Namespace:
@@ -292,8 +301,14 @@ def main() -> None:
         worker(args)
         return
     work = Path(tempfile.mkdtemp(prefix="scaling_"))
-    learner = {n: run_workers(args, n, work) for n in args.gpus}
-    loop = {n: run_loop(args, n, work) for n in args.gpus if n <= 2} if args.loop else {}
+    learner: dict[int, dict[str, Any]] = {}
+    for n in args.gpus:  # each figure as soon as it is measured: a killed run keeps them
+        learner[n] = run_workers(args, n, work)
+        progress(f"learner on {n} GPU(s): {learner[n]}")
+    loop: dict[int, dict[str, Any]] = {}
+    for n in [n for n in args.gpus if n <= 2] if args.loop else []:
+        loop[n] = run_loop(args, n, work)
+        progress(f"loop on {n} GPU(s): {loop[n]}")
     push = run_push(args) if args.push and (args.device == "cpu" or max(args.gpus) >= 2) else {}
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)"
 
