@@ -20,12 +20,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import queue
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +55,22 @@ def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen[str], s
     cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", str(model_dir), "--port", "0",
            "--device", device, "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "listening on " in line:
-            return proc, line.rsplit("listening on ", 1)[1].strip()
-    raise RuntimeError("agentrl serve did not start")
+    urls: queue.Queue[str] = queue.Queue()
+    tail: deque[str] = deque(maxlen=40)
+
+    def pump() -> None:  # drain for the server's whole life: a full pipe would block it
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            if "listening on " in line:
+                urls.put(line.rsplit("listening on ", 1)[1].strip())
+        urls.put("")  # the server ended
+
+    threading.Thread(target=pump, daemon=True).start()
+    url = urls.get(timeout=600)
+    if not url:
+        raise RuntimeError("agentrl serve did not start:\n" + "".join(tail))
+    return proc, url
 
 
 async def measure(name: str, repeats: int, gpus: int) -> dict[str, Any]:

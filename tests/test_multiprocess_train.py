@@ -192,16 +192,20 @@ def _launch_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> li
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "AGENTRL_FAULT": fault}
         cmd = [sys.executable, "-m", "agentrl.cli", "train", str(config), f"--run_dir={run_dir}"]
         cmd.append(f"--train.dist_timeout_s={timeout_s}")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        # files, not pipes: a rank blocked on a full pipe nobody reads would hang the other
+        log = (run_dir.parent / f"rank{rank}.log").open("w+b")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
     out = []
-    for p in procs:
+    for p, log in procs:
         try:
-            _, err = p.communicate(timeout=150)
+            p.wait(timeout=150)
         except subprocess.TimeoutExpired:
-            for q in procs:
+            for q, _ in procs:
                 q.kill()
             raise
-        out.append((p.returncode, err.decode()))
+        log.seek(0)
+        out.append((p.returncode, log.read().decode()))
+        log.close()
     return out
 
 
