@@ -239,10 +239,14 @@ def agentrl_loop(
     busy, kernels, syncs = GpuBusy(), KernelBusy(), SyncCount()
     marks: dict[int, float] = {}
 
+    t_start = time.perf_counter()
+
     def on_step(rec: dict[str, Any]) -> None:
         if "perf/tokens" in rec:
             torch.cuda.synchronize()
             marks[int(rec["step"])] = time.perf_counter()
+            print(f"  {name} step {rec['step']}: {marks[int(rec['step'])] - t_start:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
             if int(rec["step"]) == warmup:
                 busy.start()
                 kernels.start()
