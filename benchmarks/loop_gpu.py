@@ -25,6 +25,11 @@ wall time; ``gpu_busy_nvidia_smi``: ``nvidia-smi`` utilisation sampled every 100
 ms over the timed steps: the share of time a kernel was running), the in-process weight push
 (``time/sync_s``) and response tokens whose groups finished during updates (overlap).
 
+The engine decodes every row the pipeline may start together (``--engine-rows``, default
+``(max_staleness + 1) x tasks x group``); ``--tasks`` sets both sides' tasks a step;
+``--count-syncs`` counts agentrl's device-to-host synchronisations in the timed steps by part
+(engine, learner) and call site (torch's sync debug mode; it slows the steps a little).
+
 Usage: ``python benchmarks/loop_gpu.py [--workloads gpu-small qwen3-0.6b] [--steps 4]``
 """
 

@@ -4,8 +4,9 @@ CPU: the paged path forced on the tiny model (float32, torch reference attention
 log-probs equal a teacher-forced pass, a reused prefix gives what a cold prefill gives, aborts
 keep the token of the step in flight, weight updates drop cached prefixes, running out of pages
 requeues a request without changing its result, runs of decode steps sample what single steps
-sample. GPU (``gpu``): graph-captured decode in runs of steps equals eager single steps;
-log-probs match the learner's (bf16 autocast, packed body) within ``LEARNER_TOL``.
+sample, and runs go on while requests wait for a row (none is free). GPU (``gpu``):
+graph-captured decode in runs of steps equals eager single steps; log-probs match the learner's
+(bf16 autocast, packed body) within ``LEARNER_TOL``.
 """
 
 from __future__ import annotations
