@@ -25,6 +25,11 @@ wall time; ``gpu_busy_nvidia_smi``: ``nvidia-smi`` utilisation sampled every 100
 ms over the timed steps: the share of time a kernel was running), the in-process weight push
 (``time/sync_s``) and response tokens whose groups finished during updates (overlap).
 
+The engine decodes every row the pipeline may start together (``--engine-rows``, default
+``(max_staleness + 1) x tasks x group``); ``--tasks`` sets both sides' tasks a step;
+``--count-syncs`` counts agentrl's device-to-host synchronisations in the timed steps by part
+(engine, learner) and call site (torch's sync debug mode; it slows the steps a little).
+
 Usage: ``python benchmarks/loop_gpu.py [--workloads gpu-small qwen3-0.6b] [--steps 4]``
 """
 
@@ -39,6 +44,9 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -156,18 +164,70 @@ class GpuBusy:
         return sum(self.samples) / len(self.samples) if self.samples else float("nan")
 
 
-def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict[str, Any]:
-    """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time."""
+class SyncCount:
+    """Device-to-host synchronisations by part and call site (torch's sync debug mode).
+
+    Every synchronising op (``.item()``, ``.tolist()``, a blocking copy to the host, ...) warns;
+    the warning's Python stack names the part (``learner``: ``agentrl/learner`` or
+    ``agentrl/kernels`` on the stack, ``engine``: ``agentrl/inference``) and the innermost
+    agentrl line. Explicit ``synchronize()`` calls are not counted.
+    """
+
+    def __init__(self) -> None:
+        self.parts: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()
+        self._show = warnings.showwarning
+
+    def start(self) -> None:
+        """Count from now on."""
+        warnings.filterwarnings("always", message=".*synchroniz")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        """Stop counting."""
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._show
+
+    def _record(self, message: Any, category: Any, filename: str, lineno: int, *a: Any) -> None:
+        if "synchroniz" not in str(message):
+            self._show(message, category, filename, lineno, *a)
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if "/agentrl/" in f.filename]
+        files = " ".join(f.filename for f in ours)
+        part = ("learner" if "/learner/" in files or "/kernels/" in files else
+                "engine" if "/inference/" in files else "other")  # fmt: skip
+        self.parts[part] += 1
+        if ours:
+            f = ours[-1]
+            self.sites[f"{part}: {f.filename.split('/agentrl/')[-1]}:{f.lineno} {f.name}"] += 1
+
+
+def agentrl_loop(
+    name: str,
+    steps: int,
+    warmup: int,
+    staleness: int = 1,
+    engine_rows: int | None = None,
+    count_syncs: bool = False,
+) -> dict[str, Any]:
+    """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
+
+    ``engine_rows`` (default: every row the pipeline may start, ``(staleness + 1)`` steps'
+    worth) caps the rows the engine decodes together; ``count_syncs`` counts the timed steps'
+    device-to-host synchronisations by call site (it slows them a little).
+    """
     from agentrl.loop.trainer import Trainer
 
     w = WORKLOADS[name]
+    rows = engine_rows or (staleness + 1) * w["tasks"] * w["group"]
     bf16 = w["dtype"] == "bfloat16"
     run_dir = tempfile.mkdtemp(prefix=f"loop_gpu_{name}_")
     config = load_config({
         "run_dir": run_dir, "seed": 0,
         "model": {"tiny": dict(w["model"], max_position_embeddings=4096), "dtype": w["dtype"],
                   "device": "auto"},
-        "inference": {"max_batch_size": w["tasks"] * w["group"]},
+        "inference": {"max_batch_size": rows},
         "env": {"id": "bench-hash-v0", "num_train_tasks": 4096, "num_eval_tasks": 1},
         "rollout": {"group_size": w["group"], "max_turns": 1, "max_new_tokens": w["new_tokens"],
                     "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
@@ -181,19 +241,26 @@ def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict
                   "max_staleness": staleness},
     })  # fmt: skip
     trainer = Trainer(config)
-    busy, kernels = GpuBusy(), KernelBusy()
+    busy, kernels, syncs = GpuBusy(), KernelBusy(), SyncCount()
     marks: dict[int, float] = {}
+
+    t_start = time.perf_counter()
 
     def on_step(rec: dict[str, Any]) -> None:
         if "perf/tokens" in rec:
             torch.cuda.synchronize()
             marks[int(rec["step"])] = time.perf_counter()
+            print(f"  {name} step {rec['step']}: {marks[int(rec['step'])] - t_start:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
             if int(rec["step"]) == warmup:
                 busy.start()
                 kernels.start()
+                if count_syncs:
+                    syncs.start()
 
     trainer.on_step = on_step
     asyncio.run(trainer.run())
+    syncs.stop()
     gpu_busy_smi = busy.stop()
     gpu_busy = kernels.stop() if kernels._t0 else float("nan")
     recs = [json.loads(ln) for ln in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
@@ -217,6 +284,9 @@ def agentrl_loop(name: str, steps: int, warmup: int, staleness: int = 1) -> dict
         "overlap_tokens_per_step": sum(r.get("pipeline/overlap_tokens", 0) for r in timed) / steps,
         "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
         "params": sum(p.numel() for p in trainer.model.parameters()),
+        "engine_rows": rows,
+        "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
+        "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
 
 
@@ -281,14 +351,19 @@ def main() -> None:
     ap.add_argument("--response-tokens", type=int, default=256, help="qwen3-0.6b responses")
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("--max-staleness", type=int, default=1, help="0: generate, then update")
+    ap.add_argument("--tasks", type=int, help="tasks per step (both sides; default: workload's)")
+    ap.add_argument("--engine-rows", type=int, help="rows decoded together (default: all started)")
+    ap.add_argument("--count-syncs", action="store_true", help="syncs by call site (agentrl)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("loop_gpu.py needs a CUDA device")
     WORKLOADS["qwen3-0.6b"]["new_tokens"] = a.response_tokens
+    for name in a.workloads if a.tasks else []:
+        WORKLOADS[name]["tasks"] = a.tasks
     card = torch.cuda.get_device_name(0)
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
-        ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness)
+        ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows, a.count_syncs)
         torch.cuda.empty_cache()
         trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
         torch.cuda.empty_cache()
@@ -308,6 +383,11 @@ def main() -> None:
             f"  learner alone {ours['learner_tokens_per_s']:,.0f} tokens/s"
             f"  overlap tokens/step {ours['overlap_tokens_per_step']:,.0f}"
         )
+        print(f"    engine rows {ours['engine_rows']}")
+        if ours["syncs_per_step"]:
+            print(f"    syncs per step {ours['syncs_per_step']}")
+            for site, k in ours["sync_sites_per_step"].items():
+                print(f"      {k:8.1f}  {site}")
         if trl:
             print(f"    speedup vs TRL {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x")
     head = results[a.workloads[-1]]

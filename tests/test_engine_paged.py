@@ -4,8 +4,9 @@ CPU: the paged path forced on the tiny model (float32, torch reference attention
 log-probs equal a teacher-forced pass, a reused prefix gives what a cold prefill gives, aborts
 keep the token of the step in flight, weight updates drop cached prefixes, running out of pages
 requeues a request without changing its result, runs of decode steps sample what single steps
-sample. GPU (``gpu``): graph-captured decode in runs of steps equals eager single steps;
-log-probs match the learner's (bf16 autocast, packed body) within ``LEARNER_TOL``.
+sample, and runs go on while requests wait for a row (none is free). GPU (``gpu``):
+graph-captured decode in runs of steps equals eager single steps; log-probs match the learner's
+(bf16 autocast, packed body) within ``LEARNER_TOL``.
 """
 
 from __future__ import annotations
@@ -191,6 +192,52 @@ async def test_runs_of_decode_steps_sample_what_single_steps_sample(tiny, teache
     assert stats4["cached_tokens"] == stats1["cached_tokens"] > 0
     turn2 = jobs[0][0] + runs[0].output_ids + [40, 41]
     assert max_err(again4.logprobs, teacher_logprobs(model, turn2, again4.output_ids)) < TOL
+
+
+async def test_runs_go_on_while_requests_wait_for_a_free_row(tiny, teacher_logprobs):
+    model, tokenizer = tiny
+    # five requests, two rows: three always wait; some rows stop inside a run
+    stops = (7, 11, 19)
+    jobs = [([1, 5, 6, 7], 23), ([1, 20], 9), ([3] * 13, 30), ([1, 40, 41], 17), ([2, 9], 12)]
+    results = []
+    for steps in (1, 4):
+        eng = LocalEngine(
+            copy.deepcopy(model), tokenizer, seed=0, paged=True, page_size=4,
+            max_batch_size=2, decode_steps=steps,
+        )  # fmt: skip
+        batcher: Any = eng._batcher
+        run_length = batcher._run_length
+        seen: list[tuple[int, int, int]] = []  # (steps planned, rows decoding, requests waiting)
+
+        def watch(
+            decode: list[Any], admit: bool, run_length: Any = run_length, b: Any = batcher,
+            seen: list[tuple[int, int, int]] = seen,
+        ) -> int:  # fmt: skip
+            n = run_length(decode, admit)
+            seen.append((n, len(decode), len(b.waiting)))
+            return n
+
+        batcher._run_length = watch
+        try:
+            outs = await asyncio.gather(
+                *(
+                    eng.generate(p, sp(n, seed=i, stop_token_ids=stops))
+                    for i, (p, n) in enumerate(jobs)
+                )
+            )
+            results.append((outs, seen))
+        finally:
+            await eng.aclose()
+    (single, _), (runs, seen) = results
+    # with both rows taken, a run goes on although requests wait (they could not join anyway)
+    assert any(n > 1 and rows == 2 and waiting > 0 for n, rows, waiting in seen)
+    # with a row free, a waiting request cuts the run to one step (it joins at once)
+    assert all(n == 1 for n, rows, waiting in seen if waiting > 0 and rows < 2)
+    assert any(o.finish_reason == "stop" for o in runs)
+    for a, b, (prompt, _) in zip(single, runs, jobs, strict=True):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert max_err(a.logprobs, b.logprobs) < 1e-5
+        assert max_err(b.logprobs, teacher_logprobs(model, prompt, b.output_ids)) < TOL
 
 
 # ---- GPU -------------------------------------------------------------------------------------

@@ -11,12 +11,13 @@ Batcher`'s; this subclass changes where the cache lives and how a step is comput
   head (its full pages stay cached, so it resumes with little recomputation).
 - **A step** is one captured decode of the running rows plus one packed prefill of the joining
   requests' uncached tokens, then one vectorised sampling call for all rows.
-- **Runs of steps.** When nothing waits to join, a plan may hold up to ``decode_steps`` decode
-  steps that the device runs back to back (:meth:`PagedRunner.decode_many`): pages for every
-  step are given up front, and the run is cut to the fewest tokens any row may still sample.
-  A row that stops inside a run keeps the tokens up to its stop; the rest are dropped (at most
-  ``decode_steps - 1`` wasted positions). Sampling keys depend only on (seed, token index), so
-  a run samples exactly what single steps would.
+- **Runs of steps.** When nothing can join (the queue is empty or every row is taken), a plan
+  may hold up to ``decode_steps`` decode steps that the device runs back to back
+  (:meth:`PagedRunner.decode_many`): pages for every step are given up front, and the run is
+  cut to the fewest tokens any row may still sample. A row that stops inside a run keeps the
+  tokens up to its stop; the rest are dropped (at most ``decode_steps - 1`` wasted positions).
+  Sampling keys depend only on (seed, token index), so a run samples exactly what single steps
+  would.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class PagedBatcher(Batcher):
         runner: the paged model runner (owns the KV cache and the block table).
         rng: draws the sampling seed of requests that do not bring one.
         prefix_cache: register released pages for reuse (``False``: every prompt is prefilled).
-        decode_steps: most decode steps in one plan when nothing waits to join.
+        decode_steps: most decode steps in one plan when nothing can join.
         **kwargs: :class:`Batcher`'s keyword arguments.
     """
 
@@ -194,8 +195,15 @@ class PagedBatcher(Batcher):
         return StepPlan(None, decode, joining, self.version(), steps if not joining else 1)
 
     def _run_length(self, decode: list[Request], admit: bool) -> int:
-        """Decode steps the next plan may run back to back (1 when anything needs the host)."""
-        if self.decode_steps == 1 or not decode or (admit and self.waiting):
+        """Decode steps the next plan may run back to back (1 when anything needs the host).
+
+        A waiting request cuts the run to one step only when it could join now: with every
+        row taken it waits for a row to stop anyway, and the run ends at the first step a row
+        may stop by length (in a loop whose admission outruns the batch, the queue is never
+        empty, and single steps would cost a host round trip per token).
+        """
+        joinable = admit and self.waiting and len(decode) < self.max_batch_size
+        if self.decode_steps == 1 or not decode or joinable:
             return 1
         if any(r.params.truncates or r.aborted is not None for r in decode):
             return 1
@@ -333,7 +341,7 @@ def build_paged(
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the layer functions (~1.7x decode throughput on an H100).
         prefix_cache: reuse cached prefixes across requests and turns.
-        decode_steps: most decode steps run back to back when nothing waits to join.
+        decode_steps: most decode steps run back to back when nothing can join.
         max_batch_size: most sequences decoded together.
         max_model_len: longest sequence.
         **kwargs: the rest of :class:`Batcher`'s keyword arguments.
