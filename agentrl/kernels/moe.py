@@ -18,7 +18,9 @@ runs such a layer in three parts:
 
 Sorting and un-sorting are permutation gathers whose backward is the inverse gather
 (:class:`_Dispatch`, :class:`_Unsort`): no scatter-add with atomics, so the backward is
-deterministic, and the combine sums each token's ``top_k`` expert outputs in float32.
+deterministic. Each copy is scaled by its router weight before the down projection (linear, so
+the same sum; the multiply fuses into SwiGLU), and the combine sums each token's ``top_k``
+expert outputs in float32.
 """
 
 from __future__ import annotations
@@ -154,9 +156,12 @@ def moe_mlp(
     )
     rows = _Dispatch.apply(h.to(dtype), perm, inverse, k)  # (N * k, H)
     gate, up = grouped_linear(rows, gate_up.to(dtype), offsets).chunk(2, dim=-1)
-    out = grouped_linear(F.silu(gate) * up, down.to(dtype), offsets)  # (N * k, H)
-    out = _Unsort.apply(out, inverse, perm).view(n, k, -1)
-    mixed = (out * weights.to(out.dtype).unsqueeze(-1)).sum(1, dtype=torch.float32)
+    # the router's weight scales each copy before the (linear) down projection, so the multiply
+    # fuses into SwiGLU over I columns instead of a pass over H columns after the matmul;
+    # (N * k, 1) in sorted order: a gather by ``perm`` whose backward gathers by ``inverse``
+    scale = _Unsort.apply(weights.reshape(-1, 1).to(dtype), perm, inverse)
+    out = grouped_linear(F.silu(gate) * up * scale, down.to(dtype), offsets)  # (N * k, H)
+    mixed = _Unsort.apply(out, inverse, perm).view(n, k, -1).sum(1, dtype=torch.float32)
     return x + mixed.to(x.dtype)
 
 
