@@ -256,6 +256,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
     parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds from the first timed run (TRL's side) past which no further variant "
+        "starts (the first always runs)",
+    )
+    parser.add_argument(
         "--trl-experts",
         default=None,
         help="transformers' experts_implementation for TRL's model (default: transformers')",
@@ -294,13 +301,30 @@ def main() -> None:
     def mfu(tokens_per_s: float) -> float:
         return 6 * n_active * tokens_per_s / (peak_tflops * 1e12)
 
-    rows: dict[str, dict[str, Any]] = {}
-    for name in args.variants:
-        rows[name] = run_variant(args, init, samples, name)
-        print(f"# {name}: {rows[name]}", flush=True)
+    t_start = time.perf_counter()
+    # TRL first: its figure is there even when the last variants run out of --time-budget
     trl = None if args.no_trl else run_trl(args, init, batch)
     if trl is not None:
         print(f"# trl: {trl}", flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    for name in args.variants:
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget is not None and rows and elapsed > args.time_budget:
+            failed[name] = f"skipped: {elapsed:.0f} s past the start, over --time-budget"
+            print(f"# {name}: {failed[name]}", flush=True)
+            continue
+        try:
+            rows[name] = run_variant(args, init, samples, name)
+        except torch.OutOfMemoryError as e:  # a variant too big for the card: say so, go on
+            failed[name] = f"out of memory: {str(e).splitlines()[0]}"
+        if name in failed:  # out of the except clause: its traceback no longer holds the learner
+            print(f"# {name}: {failed[name]}", flush=True)
+            free(device)
+            continue
+        print(f"# {name}: {rows[name]}", flush=True)
+    if not rows:
+        raise SystemExit(f"every variant failed: {failed}")
     headline = max(rows, key=lambda k: rows[k]["tokens_per_s"])
     best = rows[headline]
 
@@ -323,6 +347,8 @@ def main() -> None:
             f"{name:<44}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
             f"{r['peak_gib']:>10.2f}{rsvd or ' ' * 19}{mfu(r['tokens_per_s']):>8.3f}{warm}"
         )
+    for name, why in failed.items():
+        print(f"{name:<44}{why}")
     if trl:
         print(f"trl settings: {trl['settings']}")
     speedup = best["tokens_per_s"] / trl["tokens_per_s"] if trl else None
@@ -349,6 +375,7 @@ def main() -> None:
         "variants": {k: round(v["tokens_per_s"], 1) for k, v in rows.items()},
         "variant_peak_gib": {k: round(v["peak_gib"], 3) for k, v in rows.items()},
         "variant_alloc_retries": {k: v["alloc_retries"] for k, v in rows.items()},
+        "variants_failed": failed,
         "first_loss": {k: round(v["first_loss"], 6) for k, v in table.items()},
         "layers": cfg.num_hidden_layers,
         "params": num_params,
