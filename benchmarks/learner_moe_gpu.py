@@ -11,8 +11,12 @@ agentrl (``--variants``), each from the same initial weights: the packed body
 (:mod:`agentrl.kernels.packed_body`, MoE layers through :mod:`agentrl.kernels.moe`: the router
 module, then grouped expert matmuls), bf16 autocast over float32 master weights, bf16 head
 matmuls, ``compile``; ``sel`` adds selective recomputation, ``triton`` this project's attention
-kernel, ``16k`` 16,384-token micro-batches; ``transformers`` is agentrl's learner on
-transformers' own forward (its default ``grouped_mm`` experts, sdpa with a block mask).
+kernel, ``16k`` 16,384-token micro-batches, ``c4096`` head chunks of 4,096 tokens (default
+``--chunk-size``), ``nometrics`` turns ``learner.routing_metrics`` off (on by default for MoE:
+a no-grad forward of the batch after the update for the routing metrics, which TRL's loss path
+has no counterpart of; the best variant with them on is reported beside the headline);
+``transformers`` is agentrl's learner on transformers' own forward (its default ``grouped_mm``
+experts, sdpa with a block mask).
 
 TRL (``benchmarks/_trl_side.py``, TRL 1.16 ``GRPOTrainer``'s loss path, GSPO settings): bf16
 weights and AdamW states, micro-batches of 4 sequences padded as TRL pads a generation batch,
@@ -54,7 +58,7 @@ from learner_step import cpu_name, peak_matmul_tflops  # noqa: E402
 
 GIB = 2**30
 # a variant is "transformers" or parts joined by "+": each part adds settings (NNk: micro-batches
-# of NN x 1,024 tokens)
+# of NN x 1,024 tokens; cNNNN: head chunks of NNNN tokens)
 PARTS: dict[str, dict[str, Any]] = {
     "transformers": dict(body="transformers", head_dtype="bfloat16"),
     "packed": dict(body="packed", head_dtype="bfloat16"),
@@ -71,11 +75,13 @@ def variant_config(name: str) -> dict[str, Any]:
     for part in name.split("+"):
         if part.endswith("k") and part[:-1].isdigit():
             kw["micro_batch_tokens"] = int(part[:-1]) * 1024
+        elif part.startswith("c") and part[1:].isdigit():  # head chunk (default --chunk-size)
+            kw["logprob_chunk_size"] = int(part[1:])
         elif part in PARTS:
             kw.update(PARTS[part])
         else:
             raise ValueError(
-                f"variant {name!r}: unknown part {part!r} (parts: {', '.join(PARTS)}, NNk)"
+                f"variant {name!r}: unknown part {part!r} (parts: {', '.join(PARTS)}, NNk, cNNNN)"
             )
     return kw
 
@@ -247,7 +253,7 @@ def parse_args() -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=["packed+compile+16k+triton", "packed+compile+16k+triton+nometrics"],
-        help="'transformers' or parts joined by '+': " + ", ".join(PARTS) + ", NNk",
+        help="'transformers' or parts joined by '+': " + ", ".join(PARTS) + ", NNk, cNNNN",
     )
     parser.add_argument(
         "--profile", action="store_true", help="profile one update of the first variant"
@@ -336,7 +342,7 @@ def main() -> None:
         f"batch: {args.num_seqs} sequences, {args.tokens} tokens"
     )
     print(
-        f"{'run':<44}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'rsvd GiB':>10}"
+        f"{'run':<50}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'rsvd GiB':>10}"
         f"{'retries':>9}{'MFU':>8}{'warm-up s':>11}"
     )
     table = {**rows, **({"trl (GRPOTrainer loss path)": trl} if trl else {})}
@@ -344,11 +350,11 @@ def main() -> None:
         warm = f"{r['warmup_s']:>11.1f}" if "warmup_s" in r else ""
         rsvd = f"{r['reserved_gib']:>10.2f}{r['alloc_retries']:>9}" if "reserved_gib" in r else ""
         print(
-            f"{name:<44}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
+            f"{name:<50}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
             f"{r['peak_gib']:>10.2f}{rsvd or ' ' * 19}{mfu(r['tokens_per_s']):>8.3f}{warm}"
         )
     for name, why in failed.items():
-        print(f"{name:<44}{why}")
+        print(f"{name:<50}{why}")
     if trl:
         print(f"trl settings: {trl['settings']}")
     speedup = best["tokens_per_s"] / trl["tokens_per_s"] if trl else None
