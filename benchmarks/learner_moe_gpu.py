@@ -252,7 +252,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["packed+compile+16k+triton", "packed+compile+16k+triton+nometrics"],
+        default=[
+            "packed+compile+sel+32k+triton+nometrics+c4096",
+            "packed+compile+sel+32k+triton+c4096",
+        ],
         help="'transformers' or parts joined by '+': " + ", ".join(PARTS) + ", NNk, cNNNN",
     )
     parser.add_argument(
