@@ -11,8 +11,12 @@ agentrl (``--variants``), each from the same initial weights: the packed body
 (:mod:`agentrl.kernels.packed_body`, MoE layers through :mod:`agentrl.kernels.moe`: the router
 module, then grouped expert matmuls), bf16 autocast over float32 master weights, bf16 head
 matmuls, ``compile``; ``sel`` adds selective recomputation, ``triton`` this project's attention
-kernel, ``16k`` 16,384-token micro-batches; ``transformers`` is agentrl's learner on
-transformers' own forward (its default ``grouped_mm`` experts, sdpa with a block mask).
+kernel, ``16k`` 16,384-token micro-batches, ``c4096`` head chunks of 4,096 tokens (default
+``--chunk-size``), ``nometrics`` turns ``learner.routing_metrics`` off (on by default for MoE:
+a no-grad forward of the batch after the update for the routing metrics, which TRL's loss path
+has no counterpart of; the best variant with them on is reported beside the headline);
+``transformers`` is agentrl's learner on transformers' own forward (its default ``grouped_mm``
+experts, sdpa with a block mask).
 
 TRL (``benchmarks/_trl_side.py``, TRL 1.16 ``GRPOTrainer``'s loss path, GSPO settings): bf16
 weights and AdamW states, micro-batches of 4 sequences padded as TRL pads a generation batch,
@@ -28,7 +32,7 @@ parameters (every non-expert weight but the untied input embedding, a lookup, an
 num_experts`` of the experts'):
 6 x active parameters x tokens/s / the card's measured bf16 matmul peak.
 
-Usage: ``python benchmarks/learner_moe_gpu.py [--layers 4] [--variants ...] [--no-trl]``
+Usage: ``python benchmarks/learner_moe_gpu.py [--layers 4] [--variants ...] [--no-trl] [--profile]``
 (``--model tiny`` runs the same code on a CPU in seconds: a smoke test).
 """
 
@@ -53,17 +57,33 @@ from learner_gpu import Batch, free, make_batch, samples_for, sync, with_engine_
 from learner_step import cpu_name, peak_matmul_tflops  # noqa: E402
 
 GIB = 2**30
-FAST: dict[str, Any] = dict(body="packed", head_dtype="bfloat16", compile=True)
-VARIANTS: dict[str, dict[str, Any]] = {
+# a variant is "transformers" or parts joined by "+": each part adds settings (NNk: micro-batches
+# of NN x 1,024 tokens; cNNNN: head chunks of NNNN tokens)
+PARTS: dict[str, dict[str, Any]] = {
     "transformers": dict(body="transformers", head_dtype="bfloat16"),
-    "packed+compile": FAST,
-    "packed+compile+16k": dict(FAST, micro_batch_tokens=16384),
-    "packed+compile+sel+16k": dict(FAST, selective_recompute=True, micro_batch_tokens=16384),
-    "packed+compile+sel+16k+triton": dict(
-        FAST, selective_recompute=True, micro_batch_tokens=16384, attention_kernel="triton"
-    ),
-    "packed+compile+16k+triton": dict(FAST, micro_batch_tokens=16384, attention_kernel="triton"),
+    "packed": dict(body="packed", head_dtype="bfloat16"),
+    "compile": dict(compile=True),
+    "sel": dict(selective_recompute=True),
+    "triton": dict(attention_kernel="triton"),
+    "nometrics": dict(routing_metrics=False),
 }
+
+
+def variant_config(name: str) -> dict[str, Any]:
+    """The learner settings of variant ``name`` (see :data:`PARTS`)."""
+    kw: dict[str, Any] = {}
+    for part in name.split("+"):
+        if part.endswith("k") and part[:-1].isdigit():
+            kw["micro_batch_tokens"] = int(part[:-1]) * 1024
+        elif part.startswith("c") and part[1:].isdigit():  # head chunk (default --chunk-size)
+            kw["logprob_chunk_size"] = int(part[1:])
+        elif part in PARTS:
+            kw.update(PARTS[part])
+        else:
+            raise ValueError(
+                f"variant {name!r}: unknown part {part!r} (parts: {', '.join(PARTS)}, NNk, cNNNN)"
+            )
+    return kw
 
 
 def build_model(args: argparse.Namespace, experts: str | None = None) -> Qwen3MoeForCausalLM:
@@ -116,7 +136,7 @@ def run_variant(
     device = args.device
     model = build_model(args)
     model.load_state_dict(init)
-    learner = Learner(model, learner_config(args, VARIANTS[name]))
+    learner = Learner(model, learner_config(args, variant_config(name)))
     batch = with_engine_logprobs(learner, samples)
     t0 = time.perf_counter()
     first = learner.step(batch)  # warm-up (compiles), and the first step's figures
@@ -124,8 +144,10 @@ def run_variant(
         learner.step(batch)
     warm_s = time.perf_counter() - t0
     sync(device)
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     times = []
     for _ in range(args.repeats):
         sync(device)
@@ -133,8 +155,14 @@ def run_variant(
         learner.step(batch)
         sync(device)
         times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
-    body = learner.body
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
+    reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else 0.0
+    # cudaMalloc failures the caching allocator answered by freeing its cache and retrying:
+    # each one synchronises the device (a card close to full pays them every step)
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries if cuda else 0
+    if args.profile and name == args.variants[0]:
+        profile_step(learner, batch, device)
+    body, metrics_on = learner.body, learner.config.routing_metrics
     del learner, model
     free(device)
     step_s = statistics.median(times)
@@ -143,10 +171,31 @@ def run_variant(
         step_s=step_s,
         tokens_per_s=args.tokens / step_s,
         peak_gib=peak,
+        reserved_gib=reserved,
+        alloc_retries=retries,
+        routing_metrics=metrics_on,
         warmup_s=warm_s,
         first_loss=first["loss/policy"],
         first_grad_norm=first["loss/grad_norm"],
     )
+
+
+def profile_step(learner: Learner, batch: list[TrainSample], device: torch.device) -> None:
+    """One more update under ``torch.profiler``: device busy/idle, largest gaps, top kernels."""
+    from learner_profile import _gaps, _kernels
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        learner.step(batch)
+        sync(device)
+    print(f"# profiled update: {(time.perf_counter() - t) * 1e3:.0f} ms wall (with the profiler)")
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    _gaps(prof, kind, 10)
+    _kernels(prof, kind, 30)
 
 
 def run_trl(
@@ -203,18 +252,36 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["packed+compile+sel+16k", "packed+compile+16k+triton"],
-        choices=list(VARIANTS),
+        default=[
+            "packed+compile+sel+32k+triton+nometrics+c4096",
+            "packed+compile+sel+32k+triton+c4096",
+        ],
+        help="'transformers' or parts joined by '+': " + ", ".join(PARTS) + ", NNk, cNNNN",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one update of the first variant"
     )
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds from the first timed run (TRL's side) past which no further variant "
+        "starts (the first always runs)",
+    )
     parser.add_argument(
         "--trl-experts",
         default=None,
         help="transformers' experts_implementation for TRL's model (default: transformers')",
     )
     args = parser.parse_args()
+    for name in args.variants:
+        try:
+            variant_config(name)
+        except ValueError as e:
+            parser.error(str(e))
     args.device = torch.device(args.device)
     if args.model == "tiny":
         args.prompt_len, args.response_min, args.response_max = 16, 8, 64
@@ -243,13 +310,30 @@ def main() -> None:
     def mfu(tokens_per_s: float) -> float:
         return 6 * n_active * tokens_per_s / (peak_tflops * 1e12)
 
-    rows: dict[str, dict[str, Any]] = {}
-    for name in args.variants:
-        rows[name] = run_variant(args, init, samples, name)
-        print(f"# {name}: {rows[name]}", flush=True)
+    t_start = time.perf_counter()
+    # TRL first: its figure is there even when the last variants run out of --time-budget
     trl = None if args.no_trl else run_trl(args, init, batch)
     if trl is not None:
         print(f"# trl: {trl}", flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    for name in args.variants:
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget is not None and rows and elapsed > args.time_budget:
+            failed[name] = f"skipped: {elapsed:.0f} s past the start, over --time-budget"
+            print(f"# {name}: {failed[name]}", flush=True)
+            continue
+        try:
+            rows[name] = run_variant(args, init, samples, name)
+        except torch.OutOfMemoryError as e:  # a variant too big for the card: say so, go on
+            failed[name] = f"out of memory: {str(e).splitlines()[0]}"
+        if name in failed:  # out of the except clause: its traceback no longer holds the learner
+            print(f"# {name}: {failed[name]}", flush=True)
+            free(device)
+            continue
+        print(f"# {name}: {rows[name]}", flush=True)
+    if not rows:
+        raise SystemExit(f"every variant failed: {failed}")
     headline = max(rows, key=lambda k: rows[k]["tokens_per_s"])
     best = rows[headline]
 
@@ -260,28 +344,47 @@ def main() -> None:
         f"{n_active / 1e6:.0f}M active; "
         f"batch: {args.num_seqs} sequences, {args.tokens} tokens"
     )
-    print(f"{'run':<34}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'MFU':>8}{'warm-up s':>11}")
+    print(
+        f"{'run':<50}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'rsvd GiB':>10}"
+        f"{'retries':>9}{'MFU':>8}{'warm-up s':>11}"
+    )
     table = {**rows, **({"trl (GRPOTrainer loss path)": trl} if trl else {})}
     for name, r in table.items():
         warm = f"{r['warmup_s']:>11.1f}" if "warmup_s" in r else ""
+        rsvd = f"{r['reserved_gib']:>10.2f}{r['alloc_retries']:>9}" if "reserved_gib" in r else ""
         print(
-            f"{name:<34}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
-            f"{r['peak_gib']:>10.2f}{mfu(r['tokens_per_s']):>8.3f}{warm}"
+            f"{name:<50}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.0f}"
+            f"{r['peak_gib']:>10.2f}{rsvd or ' ' * 19}{mfu(r['tokens_per_s']):>8.3f}{warm}"
         )
+    for name, why in failed.items():
+        print(f"{name:<50}{why}")
     if trl:
         print(f"trl settings: {trl['settings']}")
     speedup = best["tokens_per_s"] / trl["tokens_per_s"] if trl else None
+    # the routing metrics (on by default for MoE) add a no-grad forward after the update that
+    # TRL's loss path has no counterpart of: the best variant that pays it, reported beside
+    with_metrics = [k for k in rows if rows[k]["routing_metrics"]]
+    best_metrics = max(with_metrics, key=lambda k: rows[k]["tokens_per_s"], default=None)
+    speedup_metrics = (
+        rows[best_metrics]["tokens_per_s"] / trl["tokens_per_s"] if trl and best_metrics else None
+    )
     figures: dict[str, Any] = {
         "moe_learner_tokens_per_s": round(best["tokens_per_s"], 1),
         "trl_moe_tokens_per_s": round(trl["tokens_per_s"], 1) if trl else None,
         "moe_speedup_vs_trl": round(speedup, 3) if speedup else None,
         "agentrl_config": headline,
+        "routing_metrics": best["routing_metrics"],
+        "moe_speedup_vs_trl_with_routing_metrics": (
+            round(speedup_metrics, 3) if speedup_metrics else None
+        ),
         "mfu": round(mfu(best["tokens_per_s"]), 4),
         "peak_mem_gib": round(best["peak_gib"], 3),
         "trl_peak_mem_gib": round(trl["peak_gib"], 3) if trl else None,
         "trl_experts_implementation": trl["settings"]["experts_implementation"] if trl else None,
         "variants": {k: round(v["tokens_per_s"], 1) for k, v in rows.items()},
         "variant_peak_gib": {k: round(v["peak_gib"], 3) for k, v in rows.items()},
+        "variant_alloc_retries": {k: v["alloc_retries"] for k, v in rows.items()},
+        "variants_failed": failed,
         "first_loss": {k: round(v["first_loss"], 6) for k, v in table.items()},
         "layers": cfg.num_hidden_layers,
         "params": num_params,

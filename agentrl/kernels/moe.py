@@ -17,8 +17,11 @@ runs such a layer in three parts:
   op transformers' eager experts use, so float32 results equal theirs to rounding.
 
 Sorting and un-sorting are permutation gathers whose backward is the inverse gather
-(:class:`_Dispatch`, :class:`_Unsort`): no scatter-add with atomics, so the backward is
-deterministic, and the combine sums each token's ``top_k`` expert outputs in float32.
+(:class:`_Dispatch`, :class:`_Unsort`, :class:`_Combine`): no scatter-add with atomics, so the
+backward is deterministic. Each copy is scaled by its router weight before the down projection
+(linear, so the same sum; the multiply fuses into SwiGLU). The combine, and the dispatch's
+backward, add each token's ``top_k`` rows in float32 as ``top_k`` gathers (one pointwise kernel
+compiled, rather than a gather and then a reduction over a length-``top_k`` axis).
 """
 
 from __future__ import annotations
@@ -88,6 +91,18 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return torch.cat(parts)
 
 
+def _gather_sum(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``sum_j y[index[:, j]]`` in float32, ``(n, H)`` for ``index`` ``(n, k)``.
+
+    Written as ``k`` gathers added in order (not a gather then a reduction over a length-``k``
+    axis): compiled, it is one pointwise kernel with ``k`` row loads per output element.
+    """
+    out = y[index[:, 0]].float()
+    for j in range(1, index.shape[1]):
+        out = out + y[index[:, j]].float()
+    return out
+
+
 class _Dispatch(torch.autograd.Function):
     """``h[perm // k]``: each token's ``k`` copies, in sorted order; backward by the inverse."""
 
@@ -102,9 +117,9 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (inverse,) = ctx.saved_tensors
-        # back to (token, slot) order, then each token's k copies summed: no scatter-add
-        per_slot = grad[inverse].view(-1, ctx.k, grad.shape[-1])
-        return per_slot.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+        # each token's k copies (rows inverse[t * k + j]) summed: no scatter-add
+        per_token = _gather_sum(grad, inverse.view(-1, ctx.k))
+        return per_token.to(grad.dtype), None, None, None
 
 
 class _Unsort(torch.autograd.Function):
@@ -121,6 +136,23 @@ class _Unsort(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (perm,) = ctx.saved_tensors
         return grad[perm], None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Each token's ``k`` sorted rows summed in float32, ``(n, H)``; backward gathers by token."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, y: torch.Tensor, inverse: torch.Tensor, perm: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(perm)
+        ctx.k, ctx.dtype = k, y.dtype
+        return _gather_sum(y, inverse.view(-1, k))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (perm,) = ctx.saved_tensors
+        return grad[perm // ctx.k].to(ctx.dtype), None, None, None
 
 
 def moe_mlp(
@@ -154,9 +186,12 @@ def moe_mlp(
     )
     rows = _Dispatch.apply(h.to(dtype), perm, inverse, k)  # (N * k, H)
     gate, up = grouped_linear(rows, gate_up.to(dtype), offsets).chunk(2, dim=-1)
-    out = grouped_linear(F.silu(gate) * up, down.to(dtype), offsets)  # (N * k, H)
-    out = _Unsort.apply(out, inverse, perm).view(n, k, -1)
-    mixed = (out * weights.to(out.dtype).unsqueeze(-1)).sum(1, dtype=torch.float32)
+    # the router's weight scales each copy before the (linear) down projection, so the multiply
+    # fuses into SwiGLU over I columns instead of a pass over H columns after the matmul;
+    # (N * k, 1) in sorted order: a gather by ``perm`` whose backward gathers by ``inverse``
+    scale = _Unsort.apply(weights.reshape(-1, 1).to(dtype), perm, inverse)
+    out = grouped_linear(F.silu(gate) * up * scale, down.to(dtype), offsets)  # (N * k, H)
+    mixed = _Combine.apply(out, inverse, perm, k)  # (N, H) float32
     return x + mixed.to(x.dtype)
 
 
