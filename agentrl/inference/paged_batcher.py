@@ -316,6 +316,7 @@ def build_paged(
     max_batch_size: int,
     decode_steps: int = 1,
     max_model_len: int,
+    emulate_precision_casts: bool = True,
     **kwargs: Any,
 ) -> tuple[PagedRunner, PagedBatcher]:
     """The paged runner (KV cache sized by the budget) and its batcher, for ``LocalEngine``.
@@ -332,6 +333,8 @@ def build_paged(
             over float32 weights computes what the learner computes under bf16 autocast.
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the layer functions (~1.7x decode throughput on an H100).
+        emulate_precision_casts: compiled layers keep eager's bf16 roundings, so they compute
+            what the (eager) learner computes (:class:`PagedRunner`).
         prefix_cache: reuse cached prefixes across requests and turns.
         decode_steps: most decode steps run back to back when nothing waits to join.
         max_batch_size: most sequences decoded together.
@@ -364,6 +367,7 @@ def build_paged(
         compute_dtype=compute_dtype,
         cuda_graphs=cuda_graphs,
         compile=compile,
+        emulate_precision_casts=emulate_precision_casts,
     )
     batcher = PagedBatcher(
         runner,
