@@ -158,7 +158,7 @@ class PagedRunner:
         self._pre: Any = _pre
         self._post: Any = _post
         if compile:
-            options = {"emulate_precision_casts": emulate_precision_casts}
+            options: dict[str, Any] = {"emulate_precision_casts": emulate_precision_casts}
             self._pre = torch.compile(_pre, dynamic=True, options=options)
             self._post = torch.compile(_post, dynamic=True, options=options)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
