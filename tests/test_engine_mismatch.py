@@ -3,9 +3,10 @@
 The engine's layer code computes what the learner computes, rounding for rounding: over the
 same tokens in one forward it equals the learner to float32 noise, compiled or not (compiled
 without ``emulate_precision_casts``, where a fused q/k norm or SwiGLU rounds once, it is 5.6e-3
-off here; other choices of dtype give 3e-3 to 2e-2: ``benchmarks/engine_mismatch.py``). What is left of the gap in generation comes
-from the incremental decode (attention of one query over the cache rounds its bf16 output
-differently now and then, and the network amplifies each such flip): it is bounded below.
+off here; other choices of dtype give 3e-3 to 2e-2: ``benchmarks/engine_mismatch.py``). What
+is left of the gap in generation comes from the incremental decode (attention of one query over
+the cache rounds its bf16 output differently now and then, and the network amplifies each such
+flip): it is bounded below.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _learner(model: Any, seq: list[int], index: list[int]) -> torch.Tensor:
     )  # fmt: skip
     ids, at = torch.tensor(seq), torch.tensor(index)
     with torch.inference_mode():
-        got, _ = learner(ids[None], torch.arange(len(seq))[None], None, at, ids[at + 1], (len(seq),))
+        pos = torch.arange(len(seq))[None]
+        got, _ = learner(ids[None], pos, None, at, ids[at + 1], (len(seq),))
     return got.float()
 
 
