@@ -1,12 +1,13 @@
 """The bf16 paged engine against the learner (bf16 autocast over float32 weights), on the CPU.
 
-The engine's layer code computes what the learner computes, rounding for rounding: over the
-same tokens in one forward it equals the learner to float32 noise, compiled or not (compiled
-without ``emulate_precision_casts``, where a fused q/k norm or SwiGLU rounds once, it is 5.6e-3
-off here; other choices of dtype give 3e-3 to 2e-2: ``benchmarks/engine_mismatch.py``). What
-is left of the gap in generation comes from the incremental decode (attention of one query over
-the cache rounds its bf16 output differently now and then, and the network amplifies each such
-flip): it is bounded below.
+The engine's layer code makes the learner's choices of dtype, rounding for rounding: over the
+same tokens in one forward (eager) it equals the learner to float32 noise; compiled with
+``emulate_precision_casts`` it equals the eager code on a one-layer model (without it, where a
+fused q/k norm or SwiGLU rounds once, it is 5.6e-3 off here; other choices of dtype give 3e-3
+to 3e-2: ``benchmarks/engine_mismatch.py``). What is left of the gap in generation comes from
+the incremental decode: attention of one query over the cache now and then rounds its bf16
+output differently from the learner's causal attention over the whole sequence, and the
+network amplifies each such flip. It is bounded below; no choice of dtype removes it.
 """
 
 from __future__ import annotations

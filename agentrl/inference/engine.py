@@ -92,7 +92,7 @@ class LocalEngine:
             ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
             free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``,
             ``prefix_cache``, ``decode_steps`` (8 on CUDA, else 1), ``emulate_precision_casts``
-            (compiled layers round as the eager learner does), are ``build_paged``'s.
+            (compiled layers keep eager's bf16 roundings), are ``build_paged``'s.
         return_routed_experts: record the experts of requests that ask for them (SGLang's
             ``--enable-return-routed-experts``); default: on for an MoE model off the paged path.
     """

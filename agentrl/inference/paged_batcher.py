@@ -333,8 +333,8 @@ def build_paged(
             over float32 weights computes what the learner computes under bf16 autocast.
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the layer functions (~1.7x decode throughput on an H100).
-        emulate_precision_casts: compiled layers keep eager's bf16 roundings, so they compute
-            what the (eager) learner computes (:class:`PagedRunner`).
+        emulate_precision_casts: compiled layers keep eager's bf16 roundings between fused
+            ops, as the (eager) learner rounds (:class:`PagedRunner`).
         prefix_cache: reuse cached prefixes across requests and turns.
         decode_steps: most decode steps run back to back when nothing waits to join.
         max_batch_size: most sequences decoded together.
