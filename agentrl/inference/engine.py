@@ -91,7 +91,8 @@ class LocalEngine:
         paged: run the paged path (default: on CUDA when the model supports it); its options,
             ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
             free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``,
-            ``prefix_cache``, ``decode_steps`` (8 on CUDA, else 1), are ``build_paged``'s.
+            ``prefix_cache``, ``decode_steps`` (8 on CUDA, else 1), ``emulate_precision_casts``
+            (compiled layers keep eager's bf16 roundings), are ``build_paged``'s.
         return_routed_experts: record the experts of requests that ask for them (SGLang's
             ``--enable-return-routed-experts``); default: on for an MoE model off the paged path.
     """
@@ -116,6 +117,7 @@ class LocalEngine:
         compile: bool | None = None,
         prefix_cache: bool = True,
         decode_steps: int | None = None,
+        emulate_precision_casts: bool = True,
         return_routed_experts: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
@@ -142,15 +144,12 @@ class LocalEngine:
         self._paged: PagedRunner | None = None
         self._batcher: Batcher
         if paged:
-            options: dict[str, Any] = dict(kv_cache_gib=kv_cache_gib, kv_cache_frac=kv_cache_frac)
-            options |= dict(
-                page_size=page_size, compute_dtype=compute_dtype, cuda_graphs=cuda_graphs
-            )
-            options |= dict(compile=cuda if compile is None else compile, prefix_cache=prefix_cache)
-            options["decode_steps"] = decode_steps or (8 if cuda else 1)
-            self._paged, self._batcher = build_paged(
-                model, random.Random(seed), **options, **batching
-            )
+            opts: dict[str, Any] = dict(kv_cache_gib=kv_cache_gib, kv_cache_frac=kv_cache_frac)
+            opts |= dict(page_size=page_size, compute_dtype=compute_dtype)
+            opts |= dict(compile=cuda if compile is None else compile, prefix_cache=prefix_cache)
+            opts |= dict(cuda_graphs=cuda_graphs, emulate_precision_casts=emulate_precision_casts)
+            opts["decode_steps"] = decode_steps or (8 if cuda else 1)
+            self._paged, self._batcher = build_paged(model, random.Random(seed), **opts, **batching)
         else:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._batcher = Batcher(self._runner, generator, **batching)

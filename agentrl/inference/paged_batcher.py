@@ -324,6 +324,7 @@ def build_paged(
     max_batch_size: int,
     decode_steps: int = 1,
     max_model_len: int,
+    emulate_precision_casts: bool = True,
     **kwargs: Any,
 ) -> tuple[PagedRunner, PagedBatcher]:
     """The paged runner (KV cache sized by the budget) and its batcher, for ``LocalEngine``.
@@ -340,6 +341,8 @@ def build_paged(
             over float32 weights computes what the learner computes under bf16 autocast.
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the layer functions (~1.7x decode throughput on an H100).
+        emulate_precision_casts: compiled layers keep eager's bf16 roundings between fused
+            ops, as the (eager) learner rounds (:class:`PagedRunner`).
         prefix_cache: reuse cached prefixes across requests and turns.
         decode_steps: most decode steps run back to back when nothing can join.
         max_batch_size: most sequences decoded together.
@@ -372,6 +375,7 @@ def build_paged(
         compute_dtype=compute_dtype,
         cuda_graphs=cuda_graphs,
         compile=compile,
+        emulate_precision_casts=emulate_precision_casts,
     )
     batcher = PagedBatcher(
         runner,
