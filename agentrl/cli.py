@@ -11,7 +11,9 @@ config or argument is one line on stderr naming the field, never a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``agentrl`` command line; returns the process exit code."""
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (a hang's)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # only --section.key=value items are config overrides; anything else is a bad argument

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
+import os
 import queue
+import signal
 import socket
 import statistics
 import subprocess
@@ -51,12 +54,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen[str], str, deque[str]]:
     cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", str(model_dir), "--port", "0",
            "--device", device, "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     urls: queue.Queue[str] = queue.Queue()
-    tail: deque[str] = deque(maxlen=40)
+    tail: deque[str] = deque(maxlen=200)
 
     def pump() -> None:  # drain for the server's whole life: a full pipe would block it
         assert proc.stdout is not None
@@ -70,10 +73,33 @@ def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen[str], s
     url = urls.get(timeout=600)
     if not url:
         raise RuntimeError("agentrl serve did not start:\n" + "".join(tail))
-    return proc, url
+    return proc, url, tail
 
 
-async def measure(name: str, repeats: int, gpus: int) -> dict[str, Any]:
+async def watched(
+    coro: Any, proc: subprocess.Popen[str], tail: deque[str], limit_s: float
+) -> Any:
+    """``await coro``; past ``limit_s``, print both sides' stacks and the server's log, exit 3.
+
+    A push stuck in a collective never returns: the thread that broadcasts cannot be
+    cancelled, so the process exits rather than wait for it.
+    """
+    try:
+        return await asyncio.wait_for(coro, limit_s)
+    except TimeoutError:
+        err = sys.stderr
+        print(f"\npush stalled for {limit_s:.0f} s; this side's threads:", file=err, flush=True)
+        faulthandler.dump_traceback(file=err, all_threads=True)
+        proc.send_signal(signal.SIGUSR1)  # agentrl serve prints its threads' stacks
+        time.sleep(3)
+        print("the server's last output:\n" + "".join(tail), file=err, flush=True)
+        proc.kill()
+        os._exit(3)
+
+
+async def measure(
+    name: str, repeats: int, gpus: int, watchdog_s: float = 180.0
+) -> dict[str, Any]:
     here = "cuda:0" if gpus >= 2 else "cpu"
     there = "cuda:1" if gpus >= 2 else "cpu"
     dtype = torch.bfloat16 if gpus >= 2 else torch.float32
@@ -92,7 +118,7 @@ async def measure(name: str, repeats: int, gpus: int) -> dict[str, Any]:
     tok.save_pretrained(work / "init")
     model = model.to(here)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
-    proc, url = start_server(work / "init", there)
+    proc, url, tail = start_server(work / "init", there)
     out: dict[str, Any] = {"params": params, "bytes": sum(t.numel() * t.element_size()
                                                           for t in weights.values())}
     try:
@@ -108,8 +134,11 @@ async def measure(name: str, repeats: int, gpus: int) -> dict[str, Any]:
                 backend="nccl" if gpus >= 2 else "gloo", device=here, timeout_s=600,
             )  # fmt: skip
             try:
-                first = await push.push(weights, 200)
-                dist = [await push.push(weights, 201 + k) for k in range(repeats)]
+                first = await watched(push.push(weights, 200), proc, tail, watchdog_s)
+                dist = [
+                    await watched(push.push(weights, 201 + k), proc, tail, watchdog_s)
+                    for k in range(repeats)
+                ]
             finally:
                 await push.aclose()
             assert (await client.model_info())["weight_version"] == str(200 + repeats)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+
+import pytest
 
 from agentrl.types import Trajectory
 
@@ -102,3 +107,17 @@ def test_train_rejects_a_typo_naming_the_field(tmp_path: Path) -> None:
     out = agentrl("train", str(config), "--learner.lr=1e-4", "--train.stepz=3")
     assert out.returncode == 2 and "train.stepz" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_usr1_prints_every_threads_stack_and_the_server_keeps_serving(tiny_server) -> None:
+    """``kill -USR1`` on a stuck ``agentrl`` process shows where each thread is."""
+    tiny_server.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("Thread 0x") for line in list(tiny_server.log)):
+        assert time.monotonic() < deadline, "no stack dump within 60 s"
+        time.sleep(0.1)
+    dump = "".join(tiny_server.log)
+    assert "most recent call first" in dump and "File " in dump
+    with urllib.request.urlopen(tiny_server.url + "/health", timeout=30) as resp:
+        assert resp.status == 200

@@ -10,6 +10,7 @@ the split of a state dict into buckets of bounded size.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -69,10 +70,25 @@ class WeightGroup:
     store: dist.Store
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Broadcast ``tensor`` from rank 0 in place (send at rank 0, receive elsewhere)."""
+        """Broadcast ``tensor`` from rank 0 in place (send at rank 0, receive elsewhere).
+
+        Callable from any thread: the group's device is made current for the call (a CUDA
+        device is per thread, and worker threads start on device 0).
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([tensor], opts).wait()
+        with _on(self.device):
+            self.group.broadcast([tensor], opts).wait()
+
+    def synchronize(self) -> None:
+        """Block until this thread's broadcasts have completed on the device.
+
+        NCCL's ``wait`` only orders the current stream; after this, any stream or thread may
+        read the tensors.
+        """
+        if self.device.type == "cuda":
+            with _on(self.device):
+                torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         """Leave the group (idempotent enough: a second call is harmless)."""
@@ -125,7 +141,15 @@ def open_group(
         opts._timeout = timeout
         torch.cuda.set_device(dev)
         group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        # connect now, while every member is inside this call, rather than lazily inside the
+        # first broadcast: a member that cannot connect fails here, with the group's timeout
+        group.eager_connect_single_device(dev)
     return WeightGroup(group, rank, world_size, dev, store)
+
+
+def _on(device: torch.device) -> Any:
+    """``device`` made current for a block (no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def buckets(

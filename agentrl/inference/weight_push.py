@@ -177,6 +177,7 @@ class DistributedWeightPush:
             def send(tensors: list[torch.Tensor] = tensors) -> None:
                 for t in tensors:
                     group.broadcast(t)
+                group.synchronize()  # the bucket has left: its buffers may be freed or reused
 
             results = await asyncio.gather(asyncio.to_thread(send), *calls, return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]

@@ -140,6 +140,7 @@ class WeightReceiver:
             def receive() -> None:
                 for t in buffers:
                     group.broadcast(t)
+                group.synchronize()  # arrived: the engine may load them on any stream
 
             try:
                 await asyncio.to_thread(receive)
