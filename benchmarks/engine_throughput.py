@@ -207,7 +207,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"compute_dtype": torch.bfloat16} if cuda else {}
     if args.paged:
         kw["paged"] = True
-    kw["emulate_precision_casts"] = not args.no_emulate_precision_casts
+    kw["emulate_precision_casts"] = args.emulate_precision_casts
     engine_model = copy.deepcopy(model)  # the engine owns its copy; the learner reads model
     steps = [int(k) for k in args.decode_steps.split(",")] if args.decode_steps else []
     if steps:
@@ -336,10 +336,10 @@ def main() -> None:
         help="paged engine: decode steps per plan; a list (8,1) also times the others side by side",
     )
     parser.add_argument(
-        "--no-emulate-precision-casts",
+        "--emulate-precision-casts",
         action="store_true",
-        help="compiled engine layers round once per fused op (the old behaviour) instead of as "
-        "the eager learner does",
+        help="compiled engine layers round as the eager learner does (the engine's option of "
+        "that name; off by default) instead of once per fused op",
     )
     args = parser.parse_args()
     result = asyncio.run(run(args))

@@ -117,6 +117,7 @@ def test_compiled_layers_round_as_the_eager_layers():
         runner = PagedRunner(
             copy.deepcopy(model), num_pages=8, page_size=16, max_batch_size=2, max_model_len=64,
             compute_dtype=BF16, cuda_graphs=False, compile=compiled,
+            emulate_precision_casts=True,
         )  # fmt: skip
         out[compiled] = _teacher_forced(runner, seq, index)
     assert torch.equal(out[True], out[False])

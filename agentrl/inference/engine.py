@@ -117,7 +117,7 @@ class LocalEngine:
         compile: bool | None = None,
         prefix_cache: bool = True,
         decode_steps: int | None = None,
-        emulate_precision_casts: bool = True,
+        emulate_precision_casts: bool = False,
         return_routed_experts: bool | None = None,
     ) -> None:
         if max_batch_size < 1:

@@ -324,7 +324,7 @@ def build_paged(
     max_batch_size: int,
     decode_steps: int = 1,
     max_model_len: int,
-    emulate_precision_casts: bool = True,
+    emulate_precision_casts: bool = False,
     **kwargs: Any,
 ) -> tuple[PagedRunner, PagedBatcher]:
     """The paged runner (KV cache sized by the budget) and its batcher, for ``LocalEngine``.

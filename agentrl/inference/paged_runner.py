@@ -101,7 +101,8 @@ class PagedRunner:
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the per-layer functions (fused elementwise kernels).
         emulate_precision_casts: with ``compile``, keep eager's bf16 rounding between fused ops
-            (inductor's option of that name). Off, a fused SwiGLU or q/k norm rounds once where
+            (inductor's option of that name). Off by default until its GPU speed cost is
+            measured. Off, a fused SwiGLU or q/k norm rounds once where
             the eager learner rounds twice (one layer on a CPU: 9.7e-3 from the learner's
             log-probs, 1e-6 with it on); fused float32 reductions still round now and then
             differently from eager ones.
@@ -118,7 +119,7 @@ class PagedRunner:
         compute_dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,
         compile: bool = False,
-        emulate_precision_casts: bool = True,
+        emulate_precision_casts: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
