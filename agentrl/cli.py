@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import io
 import logging
 import signal
 import sys
@@ -97,10 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stack_dump_on_usr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack to stderr (where a hung run waits)."""
+    if not hasattr(signal, "SIGUSR1") or sys.__stderr__ is None:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (OSError, ValueError, io.UnsupportedOperation):  # no file descriptor behind stderr
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``agentrl`` command line; returns the process exit code."""
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (a hang's)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _stack_dump_on_usr1()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # only --section.key=value items are config overrides; anything else is a bad argument

@@ -14,8 +14,28 @@ Imports ``agentrl.types``, ``agentrl.errors`` and ``agentrl.kernels``; must neve
 trajectories, never servers or envs.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from agentrl.learner.config import LearnerConfig
-from agentrl.learner.packing import TrainSample, samples_from_trajectories
-from agentrl.learner.update import Learner
+
+if TYPE_CHECKING:
+    from agentrl.learner.packing import TrainSample, samples_from_trajectories
+    from agentrl.learner.update import Learner
 
 __all__ = ["Learner", "LearnerConfig", "TrainSample", "samples_from_trajectories"]
+
+# loaded on first use: configs and `agentrl --help` need only LearnerConfig, not torch's stack
+_LAZY = {
+    "Learner": "agentrl.learner.update",
+    "TrainSample": "agentrl.learner.packing",
+    "samples_from_trajectories": "agentrl.learner.packing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

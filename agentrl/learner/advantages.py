@@ -29,13 +29,15 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Annotated, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentrl.errors import ConfigError
 from agentrl.types import Group, Trajectory
+
+if TYPE_CHECKING:  # torch is imported where it is used: configs load without it
+    import torch
 
 __all__ = [
     "SHAPERS",
@@ -91,6 +93,8 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Te
     Raises:
         ValueError: bad shape, empty group, non-finite rewards or negative ``eps``.
     """
+    import torch
+
     if rewards.dim() not in (1, 2) or rewards.shape[-1] == 0:
         raise ValueError(f"rewards: expected a (G,) or (N, G) tensor, got {tuple(rewards.shape)}")
     if not bool(torch.isfinite(rewards).all()):
@@ -176,6 +180,8 @@ class OutcomeDiscount(ShaperModel):
 
     def __call__(self, group: Group, advantages: torch.Tensor) -> list[torch.Tensor]:
         """Return ``(gamma^(K-1-k) - 1) A_i`` on the tokens of assistant turn k of trajectory i."""
+        import torch
+
         out = []
         for traj, a in zip(group.trajectories, advantages.tolist(), strict=True):
             adj = torch.zeros(len(traj.tokens), dtype=torch.float64)
@@ -207,6 +213,8 @@ class TurnRewardAdvantage(ShaperModel):
 
     def __call__(self, group: Group, advantages: torch.Tensor) -> list[torch.Tensor]:
         """Return ``coef`` × normalised turn return on the tokens of each assistant turn."""
+        import torch
+
         returns: list[list[float]] = []
         for traj in group.trajectories:
             rs = [r if r is not None else 0.0 for r in traj.turn_rewards]
@@ -264,6 +272,8 @@ class OverlongPenalty(ShaperModel):
 
     def __call__(self, group: Group, advantages: torch.Tensor) -> list[torch.Tensor]:
         """Return the episode's penalty on every one of its tokens."""
+        import torch
+
         out = []
         for traj in group.trajectories:
             n = traj.num_response_tokens if self.length == "response" else len(traj.tokens)
@@ -288,6 +298,8 @@ class FormatPenalty(ShaperModel):
 
     def __call__(self, group: Group, advantages: torch.Tensor) -> list[torch.Tensor]:
         """Return ``-penalty`` on the tokens of malformed assistant turns, 0 elsewhere."""
+        import torch
+
         out = []
         for traj in group.trajectories:
             adj = torch.zeros(len(traj.tokens), dtype=torch.float64)
@@ -366,6 +378,8 @@ def compute_token_advantages(
         ConfigError: a spec does not validate.
         ValueError: a shaper returned the wrong number of tensors or a tensor of the wrong length.
     """
+    import torch
+
     trajs = group.trajectories
     if not trajs:
         return []

@@ -17,12 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-from matplotlib.ticker import MaxNLocator  # noqa: E402 - after the backend, like pyplot
-
 log = logging.getLogger(__name__)
 
 _DPI = 100
@@ -178,6 +172,16 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 
+def _pyplot() -> Any:
+    """Matplotlib's pyplot on the headless backend, imported on first use (it takes ~0.5 s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, tolerating a run that is still writing it.
 
@@ -235,6 +239,8 @@ def _draw_panel(ax: Any, panel: Panel, data: list[tuple[str, list[tuple[int, flo
         ax.set_ylim(-0.02, 1.02)
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if panel.ylabel:
         ax.set_ylabel(panel.ylabel)
@@ -266,6 +272,7 @@ def draw_figure(
     if not force and not any(data):
         return None
     w, h = FIGURE_PX
+    plt = _pyplot()
     fig, axes = plt.subplots(
         1, len(figure.panels), figsize=(w / _DPI, h / _DPI), dpi=_DPI, squeeze=False
     )
