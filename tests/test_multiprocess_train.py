@@ -181,11 +181,12 @@ def test_two_ranks_with_an_endpoint_push_once(
     assert [v.rsplit("=", 1)[1].strip() for v in versions] == ["0", "0", "0", "0", "1", "2"]
 
 
-def _launch_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> list[Any]:
+def _start_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> list[Any]:
     """Two ranks started by hand (no torchrun agent to end them): each must end by itself."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in (0, 1):
         env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
@@ -195,12 +196,17 @@ def _launch_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> li
         # files, not pipes: a rank blocked on a full pipe nobody reads would hang the other
         log = (run_dir.parent / f"rank{rank}.log").open("w+b")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
+    return procs
+
+
+def _wait_two(procs: list[Any], *others: list[Any]) -> list[tuple[int, str]]:
+    """Each rank's exit code and output (every process of ``others`` is killed on a timeout)."""
     out = []
     for p, log in procs:
         try:
             p.wait(timeout=150)
         except subprocess.TimeoutExpired:
-            for q, _ in procs:
+            for q, _ in [x for group in (procs, *others) for x in group]:
                 q.kill()
             raise
         log.seek(0)
@@ -209,27 +215,37 @@ def _launch_two(config: Path, run_dir: Path, fault: str, timeout_s: float) -> li
     return out
 
 
-def test_failing_rank_ends_every_rank_naming_it(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "config.yaml")
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A rank that fails and a rank that hangs, each in a two-rank run; both runs at once."""
+    root = tmp_path_factory.mktemp("faults")
+    config = write_config(root / "config.yaml")
     t = time.perf_counter()
     # a timeout far beyond the test's: the others learn of the failure, they do not wait it out
-    results = _launch_two(config, tmp_path / "run", "1:2", timeout_s=600)
-    elapsed = time.perf_counter() - t
+    failing = _start_two(config, root / "fail" / "run", "1:2", timeout_s=600)
+    # long enough that two ranks' scheduling on a loaded machine never trips it before step 2
+    hanging = _start_two(config, root / "hang" / "run", "1:2:hang", timeout_s=20)
+    fail = _wait_two(failing, hanging)
+    fail_s = time.perf_counter() - t
+    hang = _wait_two(hanging, failing)
+    return {"fail": fail, "fail_s": fail_s, "fail_dir": root / "fail" / "run", "hang": hang}
+
+
+def test_failing_rank_ends_every_rank_naming_it(faults: dict[str, Any]) -> None:
+    results = faults["fail"]
     for rank, (code, err) in enumerate(results):
         assert code == 1, (rank, err[-3000:])
         assert "rank 1 failed at step 2: RuntimeError: injected failure" in err, (rank, err[-3000:])
     assert "rank 0 stops too" in results[0][1]
-    assert elapsed < 120
+    assert faults["fail_s"] < 120
     # step 1 finished and was checkpointed; step 2 was never logged
-    assert [m["step"] for m in metrics(tmp_path / "run")] == [0, 1]
+    assert [m["step"] for m in metrics(faults["fail_dir"])] == [0, 1]
 
 
-def test_hanging_rank_times_out_naming_rank_and_step(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "config.yaml")
-    # long enough that two ranks' scheduling on a loaded machine never trips it before step 2
-    results = _launch_two(config, tmp_path / "run", "1:2:hang", timeout_s=20)
+def test_hanging_rank_times_out_naming_rank_and_step(faults: dict[str, Any]) -> None:
     expected = "rank 0 failed at step 2: no answer from the other ranks within "
     expected += "train.dist_timeout_s = 20 s"
+    results = faults["hang"]
     for rank, (code, err) in enumerate(results):
         assert code == 1, (rank, err[-3000:])
         assert expected in err, (rank, err[-3000:])
