@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from engine_throughput import multi_turn  # this folder: run as a script
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
 from agentrl.inference.paged_attention import QueryBlocks, tile_rows
 from agentrl.kernels.packed_body import PackedBody, _rotate_half
@@ -53,21 +53,12 @@ def build(layers: int, vocab: int, device: str = "cpu") -> Any:
 
 
 async def episodes(engine: LocalEngine, args: argparse.Namespace, vocab: int) -> list[Any]:
-    """``args.episodes`` multi-turn episodes: (final input, outputs per turn)."""
-    gen = torch.Generator().manual_seed(7)
-    params = SamplingParams(max_new_tokens=args.turn_tokens, temperature=1.0, ignore_eos=True)
+    """``args.episodes`` multi-turn episodes: (final input, outputs per turn).
 
-    async def one() -> tuple[list[int], list[Any]]:
-        ids = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
-        outs: list[Any] = []
-        for turn in range(args.turns):
-            if turn:
-                ids = ids + outs[-1].output_ids
-                ids += torch.randint(3, vocab, (args.obs_tokens,), generator=gen).tolist()
-            outs.append(await engine.generate(list(ids), params))
-        return ids, outs
-
-    return list(await asyncio.gather(*(one() for _ in range(args.episodes))))
+    The same workload as ``engine_throughput.py``'s multi-turn mode (seeded the same way).
+    """
+    _, finals, outs = await multi_turn(engine, args, vocab)
+    return list(zip(finals, outs, strict=True))
 
 
 def scored(final: list[int], turns: list[Any]) -> tuple[list[int], list[int], list[float]]:
