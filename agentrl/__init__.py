@@ -5,7 +5,15 @@ The public surface is small on purpose; everything else is imported from its sub
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+# NCCL's cuMem allocations hang process groups that span separate processes, such as the trainer
+# and an inference server exchanging weights (measured on two H100s and two H200s: every push
+# arrived, then the trainer never returned; with cuMem off, 0.037 s). SGLang and vLLM turn it off
+# at start-up too. It must be set before NCCL's first communicator in this process; a value the
+# user set is kept.
+os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 import agentrl.envs  # noqa: F401 - registers the built-in envs (ids only; classes load on use)
 from agentrl.env import Env, StepResult, Tool, ToolEnv, make, register

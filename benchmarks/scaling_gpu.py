@@ -97,7 +97,10 @@ def body_levers(args: argparse.Namespace) -> dict[str, Any]:
     """
     cuda = args.device == "cuda"
     dtype = "bfloat16" if cuda else "float32"
-    kw: dict[str, Any] = dict(body=args.body, dtype=dtype, head_dtype=dtype)
+    kw: dict[str, Any] = dict(body=args.body, dtype=dtype, head_dtype=dtype,
+                              fsdp_reduce=args.fsdp_reduce)  # fmt: skip
+    if args.fsdp_bf16_gather and cuda:
+        kw["fsdp_gather_dtype"] = "bfloat16"
     if args.body != "transformers" and cuda:
         kw.update(compile=True, selective_recompute=True)
         if importlib.util.find_spec("triton") is not None:
@@ -126,8 +129,12 @@ def measure_learner(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     model = build_model(shape, device)
     samples = make_samples(args, world, model.config.vocab_size)
     learner = Learner(model, learner_config(args, shape))
-    for _ in range(args.warmup):
+    t_warm = time.perf_counter()
+    for k in range(args.warmup):
         learner.step(samples)
+        if rank == 0:
+            print(f"[worker] {shape} on {world}: warm-up step {k + 1}/{args.warmup} at "
+                  f"{time.perf_counter() - t_warm:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -176,8 +183,9 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     """The learner options, for the workers' command lines."""
     out = ["--device", args.device, "--body", args.body, "--shapes", *args.shapes]
     for name in ("num_seqs", "prompt_len", "response_min", "response_max", "micro_batch_tokens",
-                 "chunk_size", "warmup", "repeats"):  # fmt: skip
+                 "chunk_size", "warmup", "repeats", "fsdp_reduce"):  # fmt: skip
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    out += ["--fsdp-bf16-gather"] if args.fsdp_bf16_gather else []
     return out + (["--no-checkpointing"] if args.no_checkpointing else [])
 
 
@@ -187,9 +195,8 @@ def run_workers(args: argparse.Namespace, gpus: int, work: Path) -> dict[str, An
            f"--nproc-per-node={gpus}", str(Path(__file__).resolve()), "--worker",
            "--out", str(out), *forwarded(args)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, stdout=sys.stderr)  # the workers' output as it comes
     if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
         return {"error": f"exit {proc.returncode}"}
     return dict(json.loads(out.read_text()))
 
@@ -272,6 +279,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", type=int, default=12288)
     ap.add_argument("--chunk-size", type=int, default=1024)
     ap.add_argument("--no-checkpointing", action="store_true", help="none on the 1.7B shape")
+    ap.add_argument("--fsdp-reduce", choices=["micro_batch", "mini_batch"],
+                    default="micro_batch", help="learner.fsdp_reduce")
+    ap.add_argument("--fsdp-bf16-gather", action="store_true",
+                    help="learner.fsdp_gather_dtype=bfloat16 (on a card)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True)
@@ -346,7 +357,9 @@ def main() -> None:
         "nccl_push_s": {s: r["push_s"] for s, r in push.items()} if nccl else None,
         "gloo_push_s": None if nccl else {s: r["push_s"] for s, r in push.items()},
         "disk_push_s": {s: r["disk_s"] for s, r in push.items()},
-        "body": args.body, "num_seqs_per_gpu": args.num_seqs, "card": card,
+        "body": args.body, "fsdp_reduce": args.fsdp_reduce,
+        "fsdp_bf16_gather": args.fsdp_bf16_gather,
+        "num_seqs_per_gpu": args.num_seqs, "card": card,
         "gpus": torch.cuda.device_count() if nccl else 0, "torch": torch.__version__,
     }))  # fmt: skip
 

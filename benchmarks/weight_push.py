@@ -22,16 +22,13 @@ import asyncio
 import faulthandler
 import json
 import os
-import queue
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -54,36 +51,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model_dir: Path, device: str) -> tuple[subprocess.Popen[str], str, deque[str]]:
+def start_server(model_dir: Path, device: str, log: Path) -> tuple[subprocess.Popen[str], str]:
+    """``agentrl serve`` on ``device``, its output going to ``log`` (a file, not a pipe: the
+    server never blocks on a reader, and its stack dumps survive a hung trainer)."""
     cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", str(model_dir), "--port", "0",
            "--device", device, "--log-level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    urls: queue.Queue[str] = queue.Queue()
-    tail: deque[str] = deque(maxlen=200)
-
-    def pump() -> None:  # drain for the server's whole life: a full pipe would block it
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
             if "listening on " in line:
-                urls.put(line.rsplit("listening on ", 1)[1].strip())
-        urls.put("")  # the server ended
-
-    threading.Thread(target=pump, daemon=True).start()
-    url = urls.get(timeout=600)
-    if not url:
-        raise RuntimeError("agentrl serve did not start:\n" + "".join(tail))
-    return proc, url, tail
+                return proc, line.rsplit("listening on ", 1)[1].strip()
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("agentrl serve did not start:\n" + log.read_text(errors="replace")[-4000:])
 
 
-async def watched(
-    coro: Any, proc: subprocess.Popen[str], tail: deque[str], limit_s: float
-) -> Any:
+async def watched(coro: Any, proc: subprocess.Popen[str], log: Path, limit_s: float) -> Any:
     """``await coro``; past ``limit_s``, print both sides' stacks and the server's log, exit 3.
 
     A push stuck in a collective never returns: the thread that broadcasts cannot be
     cancelled, so the process exits rather than wait for it.
     """
+    # a C-level watchdog too: it prints this side's stacks even if a thread holds the GIL and
+    # the event loop (and so ``wait_for``) never runs again
+    faulthandler.dump_traceback_later(limit_s + 10, exit=True)
     try:
         return await asyncio.wait_for(coro, limit_s)
     except TimeoutError:
@@ -92,9 +87,12 @@ async def watched(
         faulthandler.dump_traceback(file=err, all_threads=True)
         proc.send_signal(signal.SIGUSR1)  # agentrl serve prints its threads' stacks
         time.sleep(3)
-        print("the server's last output:\n" + "".join(tail), file=err, flush=True)
+        tail = log.read_text(errors="replace").splitlines()[-200:]
+        print("the server's last output:\n" + "\n".join(tail), file=err, flush=True)
         proc.kill()
         os._exit(3)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 async def measure(
@@ -118,7 +116,8 @@ async def measure(
     tok.save_pretrained(work / "init")
     model = model.to(here)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
-    proc, url, tail = start_server(work / "init", there)
+    server_log = Path(os.environ.get("WEIGHT_PUSH_SERVER_LOG", work / "server.log"))
+    proc, url = start_server(work / "init", there, server_log)
     out: dict[str, Any] = {"params": params, "bytes": sum(t.numel() * t.element_size()
                                                           for t in weights.values())}
     try:
@@ -134,9 +133,9 @@ async def measure(
                 backend="nccl" if gpus >= 2 else "gloo", device=here, timeout_s=600,
             )  # fmt: skip
             try:
-                first = await watched(push.push(weights, 200), proc, tail, watchdog_s)
+                first = await watched(push.push(weights, 200), proc, server_log, watchdog_s)
                 dist = [
-                    await watched(push.push(weights, 201 + k), proc, tail, watchdog_s)
+                    await watched(push.push(weights, 201 + k), proc, server_log, watchdog_s)
                     for k in range(repeats)
                 ]
             finally:
@@ -154,11 +153,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=SHAPES)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--watchdog-s", type=float, default=180.0,
+                    help="a push stalled this long prints both sides' stacks and exits 3")
     args = ap.parse_args()
     gpus = torch.cuda.device_count()
     backend = "nccl" if gpus >= 2 else "gloo"
     card = torch.cuda.get_device_name(0) if gpus else "cpu"
-    results = {name: asyncio.run(measure(name, args.repeats, gpus)) for name in args.shapes}
+    results: dict[str, dict[str, Any]] = {}
+    for name in args.shapes:
+        r = results[name] = asyncio.run(measure(name, args.repeats, gpus, args.watchdog_s))
+        print(f"[progress] {name}: disk {r['disk_s']:.3f} s, {backend} {r['push_s']:.3f} s "
+              f"(first {r['first_push_s']:.3f} s)", flush=True)
     print(f"weight push on {card} x{max(gpus, 1)} ({backend}); medians of {args.repeats}")
     print(f"{'shape':<12}{'GB':>7}{'disk s':>9}{backend + ' s':>9}{'first s':>9}{'speedup':>9}")
     for name, r in results.items():

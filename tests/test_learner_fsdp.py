@@ -17,7 +17,10 @@ import torch
 from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.tiny import build_tiny
 
-CONFIG = dict(lr=1e-4, num_minibatches=4, micro_batch_tokens=48, grad_clip=1.0)
+# gradients reduced once per mini-batch (``fsdp_reduce``): still equal to one process
+CONFIG = dict(
+    lr=1e-4, num_minibatches=4, micro_batch_tokens=48, grad_clip=1.0, fsdp_reduce="mini_batch"
+)
 # (prompt, response) lengths. Mini-batches are [0, 1], [2, 3], [4], [5, 6]: in the third, rank 1
 # has no sequence and runs an empty micro-batch; in the last, rank 0 gets sample 5 (the longer),
 # which has no sampled token. Both paths must keep the FSDP collectives paired.

@@ -60,6 +60,14 @@ GPU = dict(
     eps_high=10.0,
 )
 PLAIN = dict(checkpoint_layers=0, selective_recompute=False)
+# bf16 autocast with the blocks' parameters all-gathered in bf16 (half the traffic)
+CPU_BF16 = dict(CPU, dtype="bfloat16", fsdp_gather_dtype="bfloat16", eps_low=0.99, eps_high=10.0)
+
+
+def settings(kind: str, mode: str) -> dict[str, Any]:
+    """The learner settings of a run; the MoE runs reduce gradients once per mini-batch."""
+    base = {"cpu": CPU, "cuda": GPU, "cpu-bf16": CPU_BF16}[mode]
+    return {**base, "fsdp_reduce": "mini_batch"} if kind == "moe" else base
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -115,7 +123,7 @@ def _worker(out_dir: Path, kind: str, device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    result = run(kind, device, GPU if device == "cuda" else CPU)
+    result = run(kind, device.removesuffix("-bf16"), settings(kind, device))
     if dist.get_rank() == 0:
         torch.save(result, out_dir / "result.pt")
     dist.destroy_process_group()
@@ -140,7 +148,7 @@ def flat_logprobs(result: dict[str, Any]) -> torch.Tensor:
 def test_packed_body_under_fsdp_matches_one_process(tmp_path: Path, kind: str) -> None:
     dist = two_ranks(tmp_path, kind, "cpu")
     torch.set_num_threads(1)
-    one = run(kind, "cpu", CPU)
+    one = run(kind, "cpu", settings(kind, "cpu"))
 
     assert all(dist["sharded"]) and not any(one["sharded"])  # each layer its own FSDP2 unit
     lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
@@ -158,6 +166,23 @@ def test_packed_body_under_fsdp_matches_one_process(tmp_path: Path, kind: str) -
     assert one["step"]["loss/clip_frac_tokens"] > 0  # some ratios out of the clip range
     for k, w in one["weights"].items():
         torch.testing.assert_close(dist["weights"][k], w, atol=1e-5, rtol=0, msg=k)
+
+
+def test_bf16_gathers_under_fsdp_stay_within_bf16_rounding(tmp_path: Path) -> None:
+    """``fsdp_gather_dtype="bfloat16"``: the blocks compute with bf16-rounded weights (norms
+    included), so the update moves off the float32-gathered one by bf16 rounding, not more."""
+    dist = two_ranks(tmp_path, "dense", "cpu-bf16")
+    torch.set_num_threads(1)
+    one = run("dense", "cpu", CPU_BF16)  # one process gathers nothing: float32 weights
+    lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
+    mask = lp != 0
+    assert (lp_dist[mask] - lp[mask]).abs().max() < 5e-2
+    g = torch.cat([v.flatten() for v in one["grads"].values()])
+    g_dist = torch.cat([dist["grads"][k].flatten() for k in one["grads"]])
+    rel = ((g_dist - g).norm() / g.norm()).item()
+    assert 1e-6 < rel < 0.05  # rounded (the option took effect), and only by rounding
+    for key in ("loss/policy", "loss/grad_norm"):
+        assert dist["metrics"][key] == pytest.approx(one["metrics"][key], rel=2e-2, abs=5e-3), key
 
 
 @pytest.mark.gpu
@@ -190,6 +215,7 @@ def test_packed_body_under_fsdp_matches_one_gpu(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     if sys.argv[3] == "cuda-single":  # the single-GPU reference, in a process of its own
-        torch.save(run(sys.argv[2], "cuda", GPU), Path(sys.argv[1]) / "result.pt")
+        torch.save(run(sys.argv[2], "cuda", settings(sys.argv[2], "cuda")),
+                   Path(sys.argv[1]) / "result.pt")  # fmt: skip
     else:
         _worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +33,21 @@ def test_buckets_are_bounded_and_keep_order() -> None:
     assert parse_dtype("torch.float32") is torch.float32
     with pytest.raises(ValueError, match="dtype"):
         parse_dtype("complex64")
+
+
+def test_importing_agentrl_turns_nccls_cumem_off_unless_the_user_chose() -> None:
+    """NCCL's cuMem allocations hung cross-process pushes on two H100s and two H200s."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, agentrl; print(os.environ['NCCL_CUMEM_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_CUMEM_ENABLE"}
+    for chosen, expected in ((None, "0"), ("1", "1")):
+        run_env = env if chosen is None else {**env, "NCCL_CUMEM_ENABLE": chosen}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        assert out.stdout.strip() == expected
 
 
 @pytest.mark.slow
@@ -166,3 +183,46 @@ def test_trainer_pushes_over_a_group_with_weight_sync_distributed(
         lp = torch.log_softmax(model(input_ids=ids_t).logits[0, len(prompt) - 1 : -1].float(), -1)
     ref = lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
     assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < TOL
+
+
+@pytest.mark.gpu
+def test_nccl_push_between_two_cards_serves_the_new_weights(
+    tiny_server_factory, tiny, teacher_logprobs
+) -> None:
+    """The same push over NCCL: this process on ``cuda:0``, ``agentrl serve`` on ``cuda:1``.
+
+    Twice on one group (the second push reuses it), then the group is torn down: a teardown
+    that hangs (as NCCL's cuMem allocations made it, see ``agentrl/__init__``) fails the test.
+    """
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    server = tiny_server_factory("--device", "cuda:1")
+    tokenizer = tiny[1]
+    pushed = build_tiny_model(tokenizer, seed=1)  # the server starts from seed 0
+    before = build_tiny_model(tokenizer, seed=0)
+    push = DistributedWeightPush(
+        [server.url], master_address="127.0.0.1", master_port=free_port(), backend="nccl",
+        device="cuda:0", bucket_mb=0.05, timeout_s=60,
+    )  # fmt: skip
+    prompt = [1, 30, 31]
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, ignore_eos=True, seed=5)
+
+    async def push_twice_and_generate() -> Any:  # a GPU host may lack pytest-asyncio
+        try:
+            for version, scale in ((7, 0.5), (8, 1.0)):
+                weights = {k: (v.detach() * scale).to("cuda:0")
+                           for k, v in pushed.state_dict().items()}  # fmt: skip
+                assert await push.push(weights, version) > 0
+            async with SGLangClient(server.url) as client:
+                assert (await client.model_info())["weight_version"] == "8"
+                return await client.generate(prompt, params)
+        finally:
+            await asyncio.wait_for(push.aclose(), 90)
+
+    out = asyncio.run(push_twice_and_generate())
+    assert out.versions == [8] * 12
+    new = teacher_logprobs(pushed, prompt, out.output_ids, 0.9)
+    old = teacher_logprobs(before, prompt, out.output_ids, 0.9)
+    gap = max(abs(a - b) for a, b in zip(out.logprobs, new, strict=True))
+    assert gap < 2e-2  # the engine's dtype on a GPU may be bf16
+    assert max(abs(a - b) for a, b in zip(out.logprobs, old, strict=True)) > 10 * gap

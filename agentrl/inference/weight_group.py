@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 GROUP_NAME = "weight_update_group"
 """SGLang's default ``group_name``."""
@@ -90,14 +94,28 @@ class WeightGroup:
             with _on(self.device):
                 torch.cuda.current_stream(self.device).synchronize()
 
-    def close(self) -> None:
-        """Leave the group (idempotent enough: a second call is harmless)."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Leave the group (idempotent enough: a second call is harmless).
+
+        NCCL's teardown waits for the peers; one that is gone or stuck must not hang the
+        caller, so past ``timeout_s`` the group is abandoned with a warning.
+        """
         shutdown = getattr(self.group, "shutdown", None)
-        if callable(shutdown):
+        if not callable(shutdown):
+            return
+
+        def run() -> None:
             try:
                 shutdown()
             except RuntimeError:  # already torn down
                 pass
+
+        worker = threading.Thread(target=run, name="weight-group-close", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            log.warning("weight-update group (rank %d) did not shut down in %.0f s; abandoned",
+                        self.rank, timeout_s)  # fmt: skip
 
 
 def open_group(

@@ -87,11 +87,26 @@ class LearnerConfig(BaseModel):
     router_aux_loss_coef: float = Field(0.0, ge=0)
     """MoE models: weight of the switch-style load-balancing loss added to the policy loss
     (``E * sum_e f_e P_e`` per layer, averaged over layers; 1 when balanced)."""
+    fsdp_reduce: Literal["micro_batch", "mini_batch"] = "micro_batch"
+    """Several ranks (FSDP2): reduce-scatter the gradients after every micro-batch (memory stays
+    sharded) or once per mini-batch (``mini_batch``: the other micro-batches accumulate unsharded
+    gradients and keep the gathered parameters; a third of the traffic per micro-batch, at the
+    memory of one unsharded model copy plus its gradients). No effect in one process."""
+    fsdp_gather_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Several ranks (FSDP2), ``dtype="bfloat16"``: the dtype the decoder blocks' parameters are
+    all-gathered in (``bfloat16``: half the all-gather traffic; their matmuls round them to bf16
+    anyway, but the norm weights are rounded too). Master weights, gradient reduction, and the
+    embedding and head stay float32."""
     seed: int = 0
     """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:
+        if self.fsdp_gather_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError(
+                "fsdp_gather_dtype: 'bfloat16' needs dtype='bfloat16' (a float32 body would "
+                f"compute with rounded weights), got dtype={self.dtype!r}"
+            )
         if self.tis is not None and not self.recompute_old_logprobs:
             raise ValueError(
                 "tis: expected recompute_old_logprobs=True (the importance weight compares the "

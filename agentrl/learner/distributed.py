@@ -11,7 +11,8 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
 * every rank receives the same whole batch and keeps a token-balanced share of each
   mini-batch (:func:`rank_share`, deterministic, so ranks agree without talking);
 * every rank runs the same number of micro-batches (:func:`equalize_counts` pads with empty
-  ones), since each forward and backward of a sharded module is a collective;
+  ones), since each forward and backward of a sharded module is a collective; gradients are
+  reduced once per mini-batch, after its last micro-batch (:func:`accumulate_locally`);
 * metrics are merged once per step (:meth:`StepStats.merged`).
 """
 
@@ -32,24 +33,53 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def shard(model: nn.Module, root: nn.Module, device: torch.device, world_size: int) -> None:
+def shard(
+    model: nn.Module,
+    root: nn.Module,
+    device: torch.device,
+    world_size: int,
+    block_dtype: torch.dtype | None = None,
+) -> None:
     """Shard ``model``'s decoder blocks and then ``root`` (which contains ``model``) with FSDP2.
 
     A packed body on ``root`` (``root.body``) is told, so that it runs the sharded blocks
-    through FSDP2's hooks.
+    through FSDP2's hooks. With ``block_dtype`` (bf16 when the body runs under bf16 autocast)
+    the blocks' parameters are gathered in that dtype: half the all-gather traffic, and the
+    matmuls round them to it anyway. Gradients are still reduced, and the master weights kept,
+    in float32; the root's parameters (embedding, final norm, head) are gathered in float32,
+    since the head runs in float32. Inputs are not cast: the residual stream stays float32.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
     blocks = set(getattr(model, "_no_split_modules", None) or ())
+    policy = MixedPrecisionPolicy(
+        param_dtype=block_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for sub in model.modules():
         if type(sub).__name__ in blocks:
-            fully_shard(sub, mesh=mesh)
+            fully_shard(sub, mesh=mesh, mp_policy=policy)
     fully_shard(root, mesh=mesh)
     body = getattr(root, "body", None)  # a PackedBody: run its layers in FSDP2's hooks
     if body is not None:
         body.shard_ready()
+
+
+def accumulate_locally(module: nn.Module, on: bool) -> None:
+    """Under FSDP2, keep gradients (and gathered parameters) local until turned off again.
+
+    The micro-batches of a mini-batch but its last accumulate their gradients unsharded on each
+    rank and keep the parameters gathered after backward; the last one reduce-scatters the sum
+    once. Per mini-batch that is one gradient reduction instead of one per micro-batch, at the
+    cost of unsharded gradients and parameters in memory during the mini-batch. A no-op on a
+    module FSDP2 did not shard.
+    """
+    set_sync = getattr(module, "set_requires_gradient_sync", None)
+    if set_sync is None:
+        return
+    set_sync(not on)
+    module.set_reshard_after_backward(not on)  # type: ignore[operator]
 
 
 def rank_share(

@@ -60,6 +60,7 @@ from agentrl.learner.config import LearnerConfig
 from agentrl.learner.diagnostics import mismatch_stats, tis_weights, trainer_logprobs_by_sample
 from agentrl.learner.distributed import (
     StepStats,
+    accumulate_locally,
     equalize_counts,
     rank_share,
     shard,
@@ -162,7 +163,8 @@ class Learner(LearnerWeights):
             (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
         self.module = wrap_model(model, config, self.body, self.device)
         if self.world_size > 1:
-            shard(model, self.module, self.device, self.world_size)
+            block_dtype = torch.bfloat16 if config.fsdp_gather_dtype == "bfloat16" else None
+            shard(model, self.module, self.device, self.world_size, block_dtype)
         self.ref: LogprobModel | None = None
         if ref_model is not None:
             nn.Module.to(ref_model, device=self.device, dtype=torch.float32)
@@ -231,7 +233,9 @@ class Learner(LearnerWeights):
         self.module.train()
         for k, (indices, micro_k) in enumerate(zip(minibatches, micro, strict=True)):
             num_seqs = max(1, sum(1 for i in indices if samples[i].num_loss_tokens))
-            for m in micro_k:  # mismatch metrics on the first mini-batch (before any update)
+            for j, m in enumerate(micro_k):  # mismatch metrics on the first mini-batch
+                if self.world_size > 1 and c.fsdp_reduce == "mini_batch":  # ranks agree on
+                    accumulate_locally(self.module, on=j < len(micro_k) - 1)  # the count
                 with routing.replay(m) if routing is not None else nullcontext():
                     self._micro_step(
                         samples, m, prepared, num_seqs, old_trainer, stats, first, k == 0
