@@ -12,9 +12,11 @@ agentrl (``--variants``), each from the same initial weights: the packed body
 module, then grouped expert matmuls), bf16 autocast over float32 master weights, bf16 head
 matmuls, ``compile``; ``sel`` adds selective recomputation, ``triton`` this project's attention
 kernel, ``16k`` 16,384-token micro-batches, ``c4096`` head chunks of 4,096 tokens (default
-``--chunk-size``), ``nometrics`` turns ``learner.routing_metrics`` off (on by default for MoE:
-a no-grad forward of the batch after the update for the routing metrics, which TRL's loss path
-has no counterpart of; the best variant with them on is reported beside the headline);
+``--chunk-size``), ``rm25`` follows the routing metrics on 25% of the micro-batches
+(``learner.routing_metrics_sample``), ``nometrics`` turns ``learner.routing_metrics`` off (on
+by default for MoE: a no-grad forward of the batch after the update for the routing metrics,
+which TRL's loss path has no counterpart of; the best variant with them on is reported beside
+the headline);
 ``transformers`` is agentrl's learner on transformers' own forward (its default ``grouped_mm``
 experts, sdpa with a block mask).
 
@@ -77,11 +79,14 @@ def variant_config(name: str) -> dict[str, Any]:
             kw["micro_batch_tokens"] = int(part[:-1]) * 1024
         elif part.startswith("c") and part[1:].isdigit():  # head chunk (default --chunk-size)
             kw["logprob_chunk_size"] = int(part[1:])
+        elif part.startswith("rm") and part[2:].isdigit():  # routing metrics on NN% of micro
+            kw["routing_metrics_sample"] = int(part[2:]) / 100
         elif part in PARTS:
             kw.update(PARTS[part])
         else:
             raise ValueError(
-                f"variant {name!r}: unknown part {part!r} (parts: {', '.join(PARTS)}, NNk, cNNNN)"
+                f"variant {name!r}: unknown part {part!r} "
+                f"(parts: {', '.join(PARTS)}, NNk, cNNNN, rmNN)"
             )
     return kw
 
@@ -255,8 +260,9 @@ def parse_args() -> argparse.Namespace:
         default=[
             "packed+compile+sel+32k+triton+nometrics+c4096",
             "packed+compile+sel+32k+triton+c4096",
+            "packed+compile+sel+32k+triton+c4096+rm25",
         ],
-        help="'transformers' or parts joined by '+': " + ", ".join(PARTS) + ", NNk, cNNNN",
+        help="'transformers' or parts joined by '+': " + ", ".join(PARTS) + ", NNk, cNNNN, rmNN",
     )
     parser.add_argument(
         "--profile", action="store_true", help="profile one update of the first variant"

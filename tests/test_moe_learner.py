@@ -255,6 +255,34 @@ def test_volatility_is_zero_at_lr_zero_and_grows_with_lr() -> None:
     assert runs[1e-2]["routing/seq_ratio_var"] < runs[1e-2]["routing/token_ratio_var"]
 
 
+def test_routing_metrics_sample_follows_the_first_micro_batches_only() -> None:
+    """``routing_metrics_sample=0.25``: 2 of 8 micro-batches followed, no other extra forward."""
+
+    def step(share: float) -> tuple[dict[str, float], int, dict[str, torch.Tensor]]:
+        model, _ = build_tiny_moe()
+        samples = make_samples(model, n=8)
+        calls = [0]
+        for r in routers(model):
+            r.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        settings = cfg(lr=1e-2, loss="grpo", num_minibatches=2, micro_batch_tokens=16)
+        learner = Learner(model, settings.model_copy(update={"routing_metrics_sample": share}))
+        out = learner.step(samples)  # one sample per micro-batch: 2 mini-batches of 4
+        return out, calls[0], learner.state_dict_for_inference()
+
+    full, calls_full, weights_full = step(1.0)
+    part, calls_part, weights_part = step(0.25)
+    layers = 3
+    # full: 8 training forwards + 4 pre-update probes (second mini-batch) + 8 after the update;
+    # sampled: the 8 training forwards + 2 after it (the first mini-batch's routing is free)
+    assert calls_full == layers * (8 + 4 + 8) and calls_part == layers * (8 + 2)
+    for k, w in weights_full.items():  # the metrics never change the update
+        assert torch.equal(weights_part[k], w), k
+    assert part["loss/policy"] == full["loss/policy"]
+    assert part["routing/engine_learner_expert_agreement"] == 1.0
+    assert 0.0 < part["routing/expert_volatility"] <= 1.0
+    assert part["routing/expert_volatility"] != full["routing/expert_volatility"]  # 2 of 8 rows
+
+
 def test_routing_metrics_off_and_on_a_dense_model() -> None:
     model, _ = build_tiny_moe()
     out = Learner(model, cfg(routing_metrics=False)).step(make_samples(model, n=2))

@@ -84,6 +84,12 @@ class LearnerConfig(BaseModel):
     expert volatility across the update, ratio statistics split by changed routing); costs a
     no-grad forward after the update (and one before it for mini-batches whose pre-update
     routing no forward already saw). No effect on dense models."""
+    routing_metrics_sample: float = Field(1.0, gt=0, le=1)
+    """MoE models, with ``routing_metrics``: the share of each step's micro-batches the routing
+    metrics follow, taken from the first (those of the first mini-batch, whose pre-update
+    routing the update's own forward records for free); the same count on every rank. Each
+    followed micro-batch costs one no-grad forward after the update, so ``0.25`` cuts that cost
+    to a quarter and measures the metrics on a quarter of the tokens."""
     router_aux_loss_coef: float = Field(0.0, ge=0)
     """MoE models: weight of the switch-style load-balancing loss added to the policy loss
     (``E * sum_e f_e P_e`` per layer, averaged over layers; 1 when balanced)."""

@@ -34,6 +34,7 @@ never fed back).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
@@ -248,6 +249,18 @@ class StepRouting:
                 )
         self._experts: dict[tuple[int, ...], torch.Tensor] = {}
         self.before: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._followed: set[tuple[int, ...]] = set()
+
+    def follow(self, flat: Sequence[list[int]]) -> list[list[int]]:
+        """The micro-batches the metrics follow, called once per step before any forward.
+
+        The first ``routing_metrics_sample`` share of the step's, in order: every rank's list is
+        equally long, so ranks agree on the count and keep their collectives in step.
+        """
+        share = self.config.routing_metrics_sample if self.metrics else 0.0
+        chosen = list(flat[: math.ceil(share * len(flat))])
+        self._followed = {tuple(m) for m in chosen if m}
+        return chosen
 
     def experts(self, micro: list[int]) -> torch.Tensor:
         """The engine's routing of micro-batch ``micro``'s packed row, on the device."""
@@ -285,7 +298,8 @@ class StepRouting:
             )
 
     def _wants_before(self, micro: list[int]) -> bool:
-        return self.metrics and bool(micro) and tuple(micro) not in self.before
+        key = tuple(micro)
+        return self.metrics and key in self._followed and key not in self.before
 
     def run(
         self,
@@ -371,6 +385,7 @@ class StepRouting:
     ) -> None:
         """Before any optimizer step: the before-routing of ``micro`` not yet captured.
 
+        ``micro``: followed micro-batches (:meth:`follow`) at the same positions on every rank.
         ``run(m)`` is a no-grad forward of micro-batch ``m`` returning ``(batch, logprobs)``;
         empty micro-batches still run (ranks keep their collectives in step).
         """
@@ -391,7 +406,10 @@ class StepRouting:
         run: Callable[[list[int]], tuple[PackedBatch, torch.Tensor]],
         stats: StepStats,
     ) -> None:
-        """After the last optimizer step: volatility and ratio statistics of the update."""
+        """After the last optimizer step: volatility and ratio statistics of the update.
+
+        ``micro``: the followed micro-batches (:meth:`follow`).
+        """
         if not self.metrics:
             return
         for m in micro:

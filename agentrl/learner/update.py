@@ -216,19 +216,22 @@ class Learner(LearnerWeights):
         prepared = _Prepared(self._build, samples)
         stats = StepStats()
         c, routing = self.config, None
+        flat = [m for mk in micro for m in mk]
+        followed: list[list[int]] = []  # the micro-batches the routing metrics follow
         if self._moe is not None:
             routing = StepRouting(
                 self.model, c, self._moe, samples, self.device, self.weight_version
             )
+            followed = routing.follow(flat)
         self._routing = routing
         old_trainer: dict[int, torch.Tensor] | None = None
         if c.recompute_old_logprobs:
             old_trainer = self._recompute(samples, micro, prepared, stats)
             stats.extreme("perf/recompute_s", time.perf_counter() - t0, high=True)
         if routing is not None:  # pre-update routing no pre-update forward below will see
-            seen = 0 if routing.replaying else len(micro) if c.recompute_old_logprobs else 1
+            seen = len(flat) if c.recompute_old_logprobs else len(micro[0])
             probe = lambda m: self._probe(prepared, m)  # noqa: E731
-            routing.capture_missing([m for mk in micro[seen:] for m in mk], probe, stats)
+            routing.capture_missing(followed[0 if routing.replaying else seen :], probe, stats)
         first: dict[int, torch.Tensor] = {}
         self.module.train()
         for k, (indices, micro_k) in enumerate(zip(minibatches, micro, strict=True)):
@@ -242,8 +245,7 @@ class Learner(LearnerWeights):
                     )
             self._optimizer_step(stats)
         if routing is not None:
-            all_micro = [m for mk in micro for m in mk]
-            routing.after_update(all_micro, lambda m: self._probe(prepared, m), stats)
+            routing.after_update(followed, lambda m: self._probe(prepared, m), stats)
             self._routing = None
         self.last_trainer_logprobs = trainer_logprobs_by_sample(
             samples, old_trainer if old_trainer is not None else first
