@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-# NCCL's cuMem allocations hang process groups that span separate processes, such as the trainer
-# and an inference server exchanging weights (measured on two H100s and two H200s: every push
-# arrived, then the trainer never returned; with cuMem off, 0.037 s). SGLang and vLLM turn it off
-# at start-up too. It must be set before NCCL's first communicator in this process; a value the
-# user set is kept.
+# NCCL's cuMem allocations hung the weight push between a trainer and an inference server in
+# separate processes (two H100s, two H200s: the pushes arrived, then the trainer never finished;
+# with cuMem off the 0.6B shape pushes in 0.037 s). SGLang and vLLM turn it off at start-up too.
+# It must be set before NCCL's first communicator in this process; a value the user set is kept.
 os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 import agentrl.envs  # noqa: F401 - registers the built-in envs (ids only; classes load on use)

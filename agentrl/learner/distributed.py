@@ -11,8 +11,9 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
 * every rank receives the same whole batch and keeps a token-balanced share of each
   mini-batch (:func:`rank_share`, deterministic, so ranks agree without talking);
 * every rank runs the same number of micro-batches (:func:`equalize_counts` pads with empty
-  ones), since each forward and backward of a sharded module is a collective; gradients are
-  reduced once per mini-batch, after its last micro-batch (:func:`accumulate_locally`);
+  ones), since each forward and backward of a sharded module is a collective; with
+  ``fsdp_reduce="mini_batch"`` gradients are reduced once per mini-batch, after its last
+  micro-batch (:func:`accumulate_locally`);
 * metrics are merged once per step (:meth:`StepStats.merged`).
 """
 
