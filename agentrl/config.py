@@ -187,6 +187,11 @@ class TrainLoopConfig(_Section):
     dist_timeout_s: float = Field(600.0, gt=0)
     """Several processes (``torchrun``): how long a rank waits in a collective for the others
     before the run fails, naming the rank and step (:mod:`agentrl.loop.ranks`)."""
+    gil_switch_interval_ms: float | None = Field(None, gt=0)
+    """Python's thread switch interval during the run (``sys.setswitchinterval``; Python's own
+    default is 5 ms). The learner, the embedded engine and the event loop run in threads of one
+    process; every torch call releases the GIL, and getting it back from a thread running pure
+    Python can take a whole interval. ``None`` leaves Python's setting."""
 
     @model_validator(mode="after")
     def _overlap_settings(self) -> TrainLoopConfig:

@@ -210,6 +210,7 @@ def agentrl_loop(
     staleness: int = 1,
     engine_rows: int | None = None,
     count_syncs: bool = False,
+    switch_ms: float | None = None,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
@@ -238,7 +239,7 @@ def agentrl_loop(
                     **({"attention_kernel": "triton", "compile": True,
                         "selective_recompute": True} if bf16 else {})},
         "train": {"steps": steps + warmup, "tasks_per_step": w["tasks"], "eval_every": 0,
-                  "max_staleness": staleness},
+                  "max_staleness": staleness, "gil_switch_interval_ms": switch_ms},
     })  # fmt: skip
     trainer = Trainer(config)
     busy, kernels, syncs = GpuBusy(), KernelBusy(), SyncCount()
@@ -354,6 +355,9 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, help="tasks per step (both sides; default: workload's)")
     ap.add_argument("--engine-rows", type=int, help="rows decoded together (default: all started)")
     ap.add_argument("--count-syncs", action="store_true", help="syncs by call site (agentrl)")
+    ap.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
+                    help="train.gil_switch_interval_ms; several values: agentrl's loop once each, "
+                         "side by side (the last one is the headline)")  # fmt: skip
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("loop_gpu.py needs a CUDA device")
@@ -363,8 +367,16 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
-        ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows, a.count_syncs)
-        torch.cuda.empty_cache()
+        by_switch: dict[str, float] = {}
+        for switch_ms in a.switch_interval_ms:
+            ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
+                                a.count_syncs, switch_ms)  # fmt: skip
+            by_switch[str(switch_ms)] = round(ours["tokens_per_s"], 1)
+            print(f"[progress] {name}, switch interval {switch_ms} ms: "
+                  f"{ours['tokens_per_s']:,.0f} tokens/s, GPU busy {ours['gpu_busy']:.1%}",
+                  flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+        ours["tokens_per_s_by_switch_interval_ms"] = by_switch
         trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
         torch.cuda.empty_cache()
         results[name] = {"agentrl": ours, "trl": trl}

@@ -226,3 +226,16 @@ def test_finished_run_resumes_as_a_no_op_and_checkpoints_once(tmp_path: Path) ->
     assert summary["already_finished"] and summary["steps"] == 2
     assert "already finished" in (again.notice or "")
     assert {p.name: p.read_bytes() for p in tmp_path.glob("*.json*")} == before
+
+
+def test_gil_switch_interval_holds_for_the_run_only(tmp_path: Path) -> None:
+    import sys
+
+    config = quick_run(tmp_path / "run", 1)
+    config["train"]["gil_switch_interval_ms"] = 0.25
+    seen: list[float] = []
+    before = sys.getswitchinterval()
+    trainer = Trainer(load_config(config), on_step=lambda _: seen.append(sys.getswitchinterval()))
+    asyncio.run(trainer.run())
+    assert seen and all(s == pytest.approx(0.00025) for s in seen)  # during the run
+    assert sys.getswitchinterval() == before  # Python's own again afterwards

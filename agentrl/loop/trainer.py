@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -430,9 +431,13 @@ class Trainer:
             return {**finished, "already_finished": True}
         if self.ranks.is_main:
             dump_config(self.config, self.run_dir / "config.yaml")
+        interval = sys.getswitchinterval()
+        if self.config.train.gil_switch_interval_ms is not None:
+            sys.setswitchinterval(self.config.train.gil_switch_interval_ms / 1000)
         try:
             return await self._run(t_start)
         finally:
+            sys.setswitchinterval(interval)
             if self.weight_push is not None:
                 await self.weight_push.aclose()
             await self.client.aclose()
