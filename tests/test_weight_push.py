@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -111,6 +112,27 @@ async def test_push_over_a_group_serves_the_new_weights(
             assert (await client.model_info())["weight_version"] == "10"
     finally:
         await again.aclose()
+
+
+async def test_a_server_that_dies_fails_the_next_push_naming_it(tiny_server_factory, tiny) -> None:
+    """No hang: the push of the next version fails at once, naming the version and the server."""
+    server = tiny_server_factory()
+    weights = {k: v.detach() for k, v in build_tiny_model(tiny[1], seed=1).state_dict().items()}
+    push = DistributedWeightPush(
+        [server.url], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+        device="cpu", bucket_mb=0.5, timeout_s=60,
+    )  # fmt: skip
+    try:
+        await push.push(weights, 1)
+        server.proc.kill()
+        server.proc.wait()
+        t = time.perf_counter()
+        with pytest.raises(ServerError, match="weight push of version 2 failed at bucket 1/") as e:
+            await push.push(weights, 2)
+        assert time.perf_counter() - t < 30  # not the group's 60 s timeout
+        assert e.value.endpoint == server.url
+    finally:
+        await asyncio.wait_for(push.aclose(), 60)
 
 
 async def test_update_without_a_group_is_refused(tiny_server) -> None:

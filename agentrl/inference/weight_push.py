@@ -180,17 +180,8 @@ class DistributedWeightPush:
                 group.synchronize()  # the bucket has left: its buffers may be freed or reused
 
             results = await asyncio.gather(asyncio.to_thread(send), *calls, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                err = errors[0]
-                raise (
-                    err
-                    if isinstance(err, ServerError)
-                    else ServerError(
-                        f"weight broadcast failed at bucket {k + 1}/{len(parts)}: {err}",
-                        endpoint="trainer",
-                    )
-                )
+            if any(isinstance(r, BaseException) for r in results):
+                raise _push_error(results, self.endpoints, version, k, len(parts))
         self.last_push_s = time.perf_counter() - t0
         return self.last_push_s
 
@@ -209,3 +200,22 @@ class DistributedWeightPush:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _push_error(
+    results: list[Any], endpoints: list[str], version: int, bucket: int, buckets: int
+) -> ServerError:
+    """One error for a failed bucket, naming the version and the bucket.
+
+    The server's own error comes first (it names the endpoint); the broadcast's follows (a dead
+    server shows up there as a closed connection).
+    """
+    where = f"weight push of version {version} failed at bucket {bucket + 1}/{buckets}"
+    send, calls = results[0], results[1:]
+    for url, r in zip(endpoints, calls, strict=True):
+        if isinstance(r, BaseException):
+            extra = f"; the broadcast: {send}" if isinstance(send, BaseException) else ""
+            status = r.status if isinstance(r, ServerError) else None
+            message = str(r).split(" [endpoint=")[0]
+            return ServerError(f"{where}: {message}{extra}", endpoint=url, status=status)
+    return ServerError(f"{where}: the broadcast: {send}", endpoint="trainer")

@@ -16,8 +16,10 @@ import logging
 import os
 import re
 import socket
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -249,6 +251,23 @@ async def push_weights(
             torch.cuda.synchronize(learner.device)  # the copy is done when the time is taken
     out["time/sync_s"] = time.perf_counter() - t
     return out
+
+
+@contextmanager
+def gil_switch_interval(ms: float | None) -> Iterator[None]:
+    """Python's thread switch interval set to ``ms`` for a block (``None``: left as it is).
+
+    The learner, the embedded engine and the event loop are threads of one process; every torch
+    call releases the GIL, and getting it back from a thread running pure Python can take a
+    whole interval (5 ms by default).
+    """
+    before = sys.getswitchinterval()
+    if ms is not None:
+        sys.setswitchinterval(ms / 1000)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -15,7 +15,6 @@ import copy
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -37,6 +36,7 @@ from agentrl.loop.cold_start import cold_start as run_cold_start
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import (
+    gil_switch_interval,
     load_policy,
     make_local_engine,
     make_remote_client,
@@ -431,13 +431,10 @@ class Trainer:
             return {**finished, "already_finished": True}
         if self.ranks.is_main:
             dump_config(self.config, self.run_dir / "config.yaml")
-        interval = sys.getswitchinterval()
-        if self.config.train.gil_switch_interval_ms is not None:
-            sys.setswitchinterval(self.config.train.gil_switch_interval_ms / 1000)
         try:
-            return await self._run(t_start)
+            with gil_switch_interval(self.config.train.gil_switch_interval_ms):
+                return await self._run(t_start)
         finally:
-            sys.setswitchinterval(interval)
             if self.weight_push is not None:
                 await self.weight_push.aclose()
             await self.client.aclose()
