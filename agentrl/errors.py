@@ -24,6 +24,7 @@ class ServerError(AgentRLError):
     """An inference endpoint failed or answered with something malformed.
 
     Attributes:
+        message: what failed, without the ``[endpoint=... rid=...]`` that ``str()`` adds.
         endpoint: the base URL (or ``"local"``) that failed.
         rid: the request id involved, if any.
         status: the HTTP status, if there was one.
@@ -34,6 +35,7 @@ class ServerError(AgentRLError):
     ) -> None:
         where = f" [endpoint={endpoint}" + (f" rid={rid}" if rid else "") + "]" if endpoint else ""
         super().__init__(message + where)
+        self.message = message
         self.endpoint = endpoint
         self.rid = rid
         self.status = status

@@ -59,7 +59,7 @@ _FLUSHED = (
 
 def _plain(exc: Exception) -> str:
     """The message of ``exc`` without the ``[endpoint=... rid=...]`` that ServerError appends."""
-    return str(exc).split(" [endpoint=")[0]
+    return exc.message if isinstance(exc, ServerError) else str(exc)
 
 
 def _error(message: str, status: int = 400) -> web.Response:

@@ -215,7 +215,7 @@ def _push_error(
     for url, r in zip(endpoints, calls, strict=True):
         if isinstance(r, BaseException):
             extra = f"; the broadcast: {send}" if isinstance(send, BaseException) else ""
-            status = r.status if isinstance(r, ServerError) else None
-            message = str(r).split(" [endpoint=")[0]
-            return ServerError(f"{where}: {message}{extra}", endpoint=url, status=status)
+            if isinstance(r, ServerError):
+                return ServerError(f"{where}: {r.message}{extra}", endpoint=url, status=r.status)
+            return ServerError(f"{where}: {r}{extra}", endpoint=url)
     return ServerError(f"{where}: the broadcast: {send}", endpoint="trainer")

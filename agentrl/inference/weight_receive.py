@@ -172,7 +172,7 @@ class WeightReceiver:
         try:
             await self.engine.update_weights_from_state_dict(weights, version)
         except ServerError as exc:
-            return _result(False, str(exc).split(" [endpoint=")[0])
+            return _result(False, exc.message)
         if version is not None and label is not None:
             self.on_version(version, label)
         return _result(True, "Succeeded to update model weights.")

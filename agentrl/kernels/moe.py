@@ -17,7 +17,7 @@ runs such a layer in three parts:
   op transformers' eager experts use, so float32 results equal theirs to rounding.
 
 Sorting and un-sorting are permutation gathers whose backward is the inverse gather
-(:class:`_Dispatch`, :class:`_Unsort`, :class:`_Combine`): no scatter-add with atomics, so the
+(:class:`_Dispatch`, :class:`_Permute`, :class:`_Combine`): no scatter-add with atomics, so the
 backward is deterministic. Each copy is scaled by its router weight before the down projection
 (linear, so the same sum; the multiply fuses into SwiGLU). The combine, and the dispatch's
 backward, add each token's ``top_k`` rows in float32 as ``top_k`` gathers (one pointwise kernel
@@ -122,20 +122,20 @@ class _Dispatch(torch.autograd.Function):
         return per_token.to(grad.dtype), None, None, None
 
 
-class _Unsort(torch.autograd.Function):
-    """``y[inverse]``: sorted rows back to (token, slot) order; backward by ``perm``."""
+class _Permute(torch.autograd.Function):
+    """``y[index]`` for a permutation ``index``; backward by its inverse, ``inverse_index``."""
 
     @staticmethod
     def forward(
-        ctx: Any, y: torch.Tensor, inverse: torch.Tensor, perm: torch.Tensor
+        ctx: Any, y: torch.Tensor, index: torch.Tensor, inverse_index: torch.Tensor
     ) -> torch.Tensor:
-        ctx.save_for_backward(perm)
-        return y[inverse]
+        ctx.save_for_backward(inverse_index)
+        return y[index]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (perm,) = ctx.saved_tensors
-        return grad[perm], None, None
+        (inverse_index,) = ctx.saved_tensors
+        return grad[inverse_index], None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -189,7 +189,7 @@ def moe_mlp(
     # the router's weight scales each copy before the (linear) down projection, so the multiply
     # fuses into SwiGLU over I columns instead of a pass over H columns after the matmul;
     # (N * k, 1) in sorted order: a gather by ``perm`` whose backward gathers by ``inverse``
-    scale = _Unsort.apply(weights.reshape(-1, 1).to(dtype), perm, inverse)
+    scale = _Permute.apply(weights.reshape(-1, 1).to(dtype), perm, inverse)
     out = grouped_linear(F.silu(gate) * up * scale, down.to(dtype), offsets)  # (N * k, H)
     mixed = _Combine.apply(out, inverse, perm, k)  # (N, H) float32
     return x + mixed.to(x.dtype)
