@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -151,6 +152,29 @@ def arm_run(arm: str, tree: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     }
 
 
+def arm_progress(run: dict[str, Any]) -> None:
+    """One arm's updates as they were logged: volatility overall and per layer, clipping."""
+    for u in run["updates"]:
+        layers = sorted(k for k in u if k.startswith("routing/expert_volatility/layer_"))
+        layers.sort(key=lambda k: int(k.rsplit("_", 1)[1]))
+        per = " ".join(fmt(u[k], 6, 4) for k in layers)
+        print(f"    step {u['step']}: vol {fmt(u.get('routing/expert_volatility'), 6, 4)} "
+              f"per layer [{per}] clip {fmt(u.get('loss/clip_frac_tokens'), 6, 4)}",
+              file=sys.stderr)  # fmt: skip
+    print(f"    held-out by step: {run['eval']}", file=sys.stderr, flush=True)
+
+
+def free_device() -> None:
+    """Drop the finished arm's model, optimizer and engine before the next one starts."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def collapsed(evals: dict[int, float], drop: float) -> bool:
     """Success fell and did not recover: the last value is ``drop`` below start and peak."""
     values = [evals[k] for k in sorted(evals)]
@@ -178,6 +202,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--collapse-drop", type=float, default=0.1)
     ap.add_argument("--set", dest="sets", action="append", default=[], help="key=value override")
+    ap.add_argument("--out", default=None, help="JSON of the runs so far, rewritten per arm")
     args = ap.parse_args()
 
     import torch
@@ -209,6 +234,13 @@ def main() -> None:
                 print(f"  {arm}: {run['wall_s']:.0f} s, success "
                       f"{run['summary']['success_start']:.3f} -> "
                       f"{run['summary']['success_end']:.3f}", file=sys.stderr)  # fmt: skip
+                arm_progress(run)
+                # its metrics are read: drop its end-of-run checkpoint (float32 weights and AdamW
+                # states, 37 GB on the 30B-A3B shape with 4 layers) before the next arm writes one
+                shutil.rmtree(t["run_dir"], ignore_errors=True)
+                if args.out:  # what is measured so far survives a run cut short
+                    Path(args.out).write_text(json.dumps({"starts": starts, "runs": runs}))
+                free_device()
     report(args, runs, starts, time.perf_counter() - t_all)
 
 

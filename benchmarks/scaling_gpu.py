@@ -147,6 +147,8 @@ def measure_learner(args: argparse.Namespace, shape: str) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    if args.profile:  # one more update, rank 0 under the profiler (every rank steps)
+        profile_step(learner, samples, device, rank == 0, f"{shape} on {world}")
     peaks: list[Any] = [None] * world
     dist.all_gather_object(peaks, peak)
     body = learner.body
@@ -158,6 +160,37 @@ def measure_learner(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     tokens = sum(len(s.tokens) for s in samples)
     return {"gpus": world, "rank": rank, "step_s": step_s, "tokens": tokens,
             "tokens_per_s": tokens / step_s, "peak_gib": max(peaks), "body": body}  # fmt: skip
+
+
+def profile_step(
+    learner: Learner, samples: list[TrainSample], device: torch.device, on: bool, what: str
+) -> None:
+    """One update; on rank 0 under ``torch.profiler``: device busy and gaps, top kernels."""
+    if not on:
+        learner.step(samples)
+        return
+    sys.path.insert(0, str(HERE))
+    from learner_profile import _gaps, _kernels
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        learner.step(samples)
+        if cuda:
+            torch.cuda.synchronize(device)
+    wall = (time.perf_counter() - t) * 1e3
+    print(f"[profile] {what}, rank 0: {wall:.0f} ms wall (with the profiler)", file=sys.stderr)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    stdout, sys.stdout = sys.stdout, sys.stderr  # the driver streams the workers' stderr
+    try:
+        _gaps(prof, kind, 12)
+        _kernels(prof, kind, 25)
+    finally:
+        sys.stdout = stdout
+    sys.stderr.flush()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -186,6 +219,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
                  "chunk_size", "warmup", "repeats", "fsdp_reduce"):  # fmt: skip
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     out += ["--fsdp-bf16-gather"] if args.fsdp_bf16_gather else []
+    out += ["--profile"] if args.profile else []
     return out + (["--no-checkpointing"] if args.no_checkpointing else [])
 
 
@@ -283,6 +317,8 @@ def parse_args() -> argparse.Namespace:
                     default="micro_batch", help="learner.fsdp_reduce")
     ap.add_argument("--fsdp-bf16-gather", action="store_true",
                     help="learner.fsdp_gather_dtype=bfloat16 (on a card)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more update on rank 0 (printed by the workers)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True)

@@ -45,6 +45,22 @@ def make_samples(model: torch.nn.Module) -> list[TrainSample]:
     return out
 
 
+def _clip_both_ways(module: torch.nn.Module) -> dict[str, object]:
+    """The learner's clipping of sharded gradients vs torch's generic DTensor path."""
+    from agentrl.learner.distributed import clip_grad_norm
+
+    params = list(module.parameters())
+    out: dict[str, object] = {}
+    for name, clip in (("ours", clip_grad_norm), ("torch", torch.nn.utils.clip_grad_norm_)):
+        for p in params:  # the same known gradients each time: 3x the weights
+            p.grad = p.detach() * 3.0
+        norm = clip(params, 0.5)
+        out[name] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        out[name + "_grads"] = [p.grad.full_tensor() for p in params]
+    out["sharded"] = all(hasattr(p.grad, "to_local") for p in params)
+    return out
+
+
 def _worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
@@ -62,6 +78,7 @@ def _worker(out_dir: Path) -> None:
     learner.load_checkpoint(out_dir / "ckpt")
     resumed = learner.step(samples)
     after_resumed = learner.state_dict_for_inference()
+    clipped = _clip_both_ways(learner.module)
     if dist.get_rank() == 0:
         torch.save(
             {
@@ -72,6 +89,7 @@ def _worker(out_dir: Path) -> None:
                 "resumed": resumed,
                 "after_resumed": after_resumed,
                 "trainer_logprobs": learner.last_trainer_logprobs,
+                "clipped": clipped,
             },
             out_dir / "result.pt",
         )
@@ -116,6 +134,13 @@ def test_fsdp_two_ranks_match_single_process(tmp_path: Path) -> None:
         assert abs(dist_out["metrics"][key] - metrics[key]) < 1e-5, key
     assert metrics["loss/clip_frac_tokens"] > 0  # the noise put some sequences out of range
     assert len(dist_out["trainer_logprobs"]) == len(samples)
+
+    # the clipping of sharded gradients (local norms, one all-reduce) equals torch's
+    clipped = dist_out["clipped"]
+    assert clipped["sharded"] and clipped["ours"] > 0.5  # the clip took effect
+    assert abs(clipped["ours"] - clipped["torch"]) <= 1e-5 * clipped["torch"]
+    for ours, theirs in zip(clipped["ours_grads"], clipped["torch_grads"], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-5)
 
     # the checkpoint written under FSDP resumes exactly, and the HF export loads
     for k in weights:

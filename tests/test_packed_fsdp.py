@@ -130,6 +130,7 @@ def _worker(out_dir: Path, kind: str, device: str) -> None:
 
 
 def two_ranks(tmp_path: Path, kind: str, device: str) -> dict[str, Any]:
+    tmp_path.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [__file__, str(tmp_path), kind, device]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
@@ -191,13 +192,20 @@ def test_packed_body_under_fsdp_matches_one_gpu(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     pytest.importorskip("triton")
-    dist = two_ranks(tmp_path, "dense", "cuda")
     one_dir = tmp_path / "one"  # a process of its own: this one holds no card memory
     one_dir.mkdir()
     cmd = [sys.executable, __file__, str(one_dir), "dense", "cuda-single"]
-    proc = subprocess.run(cmd, env={**ENV, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # beside the two ranks (each process compiles first, for about a minute)
+    log = tmp_path / "one.log"  # a file, not a pipe that nobody reads while the ranks run
+    with log.open("w") as out:
+        single = subprocess.Popen(cmd, env={**ENV, "CUDA_VISIBLE_DEVICES": "0"}, stdout=out,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            dist = two_ranks(tmp_path / "two", "dense", "cuda")
+            single.wait(timeout=600)
+        finally:
+            single.kill()
+    assert single.returncode == 0, log.read_text()[-4000:]
     one = torch.load(one_dir / "result.pt", weights_only=False)
     lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
     mask = lp != 0

@@ -95,9 +95,11 @@ class LearnerConfig(BaseModel):
     (``E * sum_e f_e P_e`` per layer, averaged over layers; 1 when balanced)."""
     fsdp_reduce: Literal["micro_batch", "mini_batch"] = "micro_batch"
     """Several ranks (FSDP2): reduce-scatter the gradients after every micro-batch (memory stays
-    sharded) or once per mini-batch (``mini_batch``: the other micro-batches accumulate unsharded
-    gradients and keep the gathered parameters; a third of the traffic per micro-batch, at the
-    memory of one unsharded model copy plus its gradients). No effect in one process."""
+    sharded) or once per mini-batch (``mini_batch``: the micro-batches accumulate unsharded
+    gradients and keep the blocks' parameters gathered from the first forward to the last; two
+    all-gathers and one reduce-scatter per mini-batch instead of two and one per micro-batch, at
+    the memory of one unsharded model copy plus its gradients; 2-GPU learner scaling 57% -> 81%
+    with ``fsdp_gather_dtype="bfloat16"`` on H200s). No effect in one process."""
     fsdp_gather_dtype: Literal["float32", "bfloat16"] = "float32"
     """Several ranks (FSDP2), ``dtype="bfloat16"``: the dtype the decoder blocks' parameters are
     all-gathered in (``bfloat16``: half the all-gather traffic; their matmuls round them to bf16

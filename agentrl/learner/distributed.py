@@ -71,16 +71,45 @@ def accumulate_locally(module: nn.Module, on: bool) -> None:
     """Under FSDP2, keep gradients (and gathered parameters) local until turned off again.
 
     The micro-batches of a mini-batch but its last accumulate their gradients unsharded on each
-    rank and keep the parameters gathered after backward; the last one reduce-scatters the sum
-    once. Per mini-batch that is one gradient reduction instead of one per micro-batch, at the
-    cost of unsharded gradients and parameters in memory during the mini-batch. A no-op on a
-    module FSDP2 did not shard.
+    rank and keep the parameters gathered after forward and backward; the last one frees them
+    after its forward, gathers them again for its backward (so that the optimizer step finds
+    them sharded) and reduce-scatters the sum once. Per mini-batch that is two all-gathers and
+    one gradient reduction instead of two and one per micro-batch, at the cost of unsharded
+    gradients and parameters in memory during the mini-batch. A no-op on a module FSDP2 did
+    not shard.
     """
     set_sync = getattr(module, "set_requires_gradient_sync", None)
     if set_sync is None:
         return
     set_sync(not on)
     module.set_reshard_after_backward(not on)  # type: ignore[operator]
+    for sub in module.modules():  # the blocks; the root keeps FSDP2's own choice (no reshard)
+        if sub is not module and hasattr(sub, "set_reshard_after_forward"):
+            sub.set_reshard_after_forward(not on, recurse=False)  # type: ignore[operator]
+
+
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP2's sharded gradients cheaply.
+
+    With DTensor gradients it works on the local shards: one norm kernel over them, one
+    all-reduce of the squared sum, one scaling, where the generic path dispatches DTensor ops
+    (and their sharding rules) on the host. Gradients that are not DTensors are whole on every
+    rank and counted once. Returns the total norm (a 0-d tensor on the gradients' device).
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    if not shards:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    sq = torch.stack(torch._foreach_norm(shards)).square().sum()
+    dist.all_reduce(sq)
+    if whole:
+        sq = sq + torch.stack(torch._foreach_norm(whole)).square().sum()
+    norm = sq.sqrt()
+    torch._foreach_mul_(shards + whole, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
 
 
 def rank_share(

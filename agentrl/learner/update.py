@@ -61,6 +61,7 @@ from agentrl.learner.diagnostics import mismatch_stats, tis_weights, trainer_log
 from agentrl.learner.distributed import (
     StepStats,
     accumulate_locally,
+    clip_grad_norm,
     equalize_counts,
     rank_share,
     shard,
@@ -186,8 +187,9 @@ class Learner(LearnerWeights):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
         params = [p for p in self.module.parameters() if p.requires_grad]
-        # one fused kernel per step on CUDA (same update as the foreach implementation)
-        fused = self.device.type == "cuda" and self.world_size == 1
+        # one fused kernel per step on CUDA (same update as the foreach implementation); DTensor
+        # shards (FSDP2) take it too
+        fused = self.device.type == "cuda"
         return torch.optim.AdamW(
             params, lr=c.lr, betas=c.betas, weight_decay=c.weight_decay, fused=fused or None
         )
@@ -440,8 +442,7 @@ class Learner(LearnerWeights):
     def _optimizer_step(self, stats: StepStats) -> None:
         params = [p for p in self.module.parameters() if p.grad is not None]
         clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor
+        value = float(clip_grad_norm(params, clip))
         if math.isfinite(value):
             self.optimizer.step()
             self.num_steps += 1
