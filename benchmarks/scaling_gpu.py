@@ -98,7 +98,7 @@ def body_levers(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     dtype = "bfloat16" if cuda else "float32"
     kw: dict[str, Any] = dict(body=args.body, dtype=dtype, head_dtype=dtype,
-                              fsdp_reduce=args.fsdp_reduce)  # fmt: skip
+                              fsdp_reduce=args.fsdp_reduce, fsdp_unit=args.fsdp_unit)  # fmt: skip
     if args.fsdp_bf16_gather and cuda:
         kw["fsdp_gather_dtype"] = "bfloat16"
     if args.body != "transformers" and cuda:
@@ -216,7 +216,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     """The learner options, for the workers' command lines."""
     out = ["--device", args.device, "--body", args.body, "--shapes", *args.shapes]
     for name in ("num_seqs", "prompt_len", "response_min", "response_max", "micro_batch_tokens",
-                 "chunk_size", "warmup", "repeats", "fsdp_reduce"):  # fmt: skip
+                 "chunk_size", "warmup", "repeats", "fsdp_reduce", "fsdp_unit"):  # fmt: skip
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     out += ["--fsdp-bf16-gather"] if args.fsdp_bf16_gather else []
     out += ["--profile"] if args.profile else []
@@ -315,6 +315,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-checkpointing", action="store_true", help="none on the 1.7B shape")
     ap.add_argument("--fsdp-reduce", choices=["micro_batch", "mini_batch"],
                     default="micro_batch", help="learner.fsdp_reduce")
+    ap.add_argument("--fsdp-unit", choices=["block", "model"], default="block",
+                    help="learner.fsdp_unit: FSDP2 units per decoder block or one for the model")
     ap.add_argument("--fsdp-bf16-gather", action="store_true",
                     help="learner.fsdp_gather_dtype=bfloat16 (on a card)")
     ap.add_argument("--profile", action="store_true",
@@ -394,7 +396,7 @@ def main() -> None:
         "gloo_push_s": None if nccl else {s: r["push_s"] for s, r in push.items()},
         "disk_push_s": {s: r["disk_s"] for s, r in push.items()},
         "body": args.body, "fsdp_reduce": args.fsdp_reduce,
-        "fsdp_bf16_gather": args.fsdp_bf16_gather,
+        "fsdp_bf16_gather": args.fsdp_bf16_gather, "fsdp_unit": args.fsdp_unit,
         "num_seqs_per_gpu": args.num_seqs, "card": card,
         "gpus": torch.cuda.device_count() if nccl else 0, "torch": torch.__version__,
     }))  # fmt: skip

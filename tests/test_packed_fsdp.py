@@ -65,15 +65,18 @@ CPU_BF16 = dict(CPU, dtype="bfloat16", fsdp_gather_dtype="bfloat16", eps_low=0.9
 
 
 def settings(kind: str, mode: str) -> dict[str, Any]:
-    """The learner settings of a run; the MoE runs reduce gradients once per mini-batch."""
+    """The learner settings of a run: the MoE runs reduce gradients once per mini-batch, and
+    ``moe-model`` shards the whole model as one FSDP2 unit."""
     base = {"cpu": CPU, "cuda": GPU, "cpu-bf16": CPU_BF16}[mode]
+    if kind == "moe-model":
+        return {**base, "fsdp_reduce": "mini_batch", "fsdp_unit": "model"}
     return {**base, "fsdp_reduce": "mini_batch"} if kind == "moe" else base
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def build(kind: str, device: str) -> torch.nn.Module:
     """The same seeded tiny model in every process."""
-    model = (build_tiny_moe if kind == "moe" else build_tiny)(seed=3)[0]
+    model = (build_tiny_moe if kind.startswith("moe") else build_tiny)(seed=3)[0]
     return model.to(device)
 
 
@@ -108,6 +111,7 @@ def run(kind: str, device: str, settings: dict[str, Any]) -> dict[str, Any]:
     two = Learner(build(kind, device), LearnerConfig(**step))
     return {
         "sharded": [isinstance(layer, FSDPModule) for layer in one.model.base_model.layers],
+        "root_sharded": isinstance(one.module, FSDPModule),
         "logprobs": one.last_trainer_logprobs,
         "grads": grads,
         "metrics": metrics,
@@ -145,13 +149,17 @@ def flat_logprobs(result: dict[str, Any]) -> torch.Tensor:
     return torch.tensor([x for r in rows for x in r])
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-model"])
 def test_packed_body_under_fsdp_matches_one_process(tmp_path: Path, kind: str) -> None:
     dist = two_ranks(tmp_path, kind, "cpu")
     torch.set_num_threads(1)
     one = run(kind, "cpu", settings(kind, "cpu"))
 
-    assert all(dist["sharded"]) and not any(one["sharded"])  # each layer its own FSDP2 unit
+    assert not any(one["sharded"])
+    if kind == "moe-model":  # one unit: the root alone, its layers plain modules inside it
+        assert dist["root_sharded"] and not any(dist["sharded"])
+    else:
+        assert all(dist["sharded"])  # each layer its own FSDP2 unit
     lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
     assert lp.abs().max() > 1  # real log-probs, not zeros
     torch.testing.assert_close(lp_dist, lp, atol=2e-6, rtol=0)  # a few float32 ulps

@@ -105,6 +105,14 @@ class LearnerConfig(BaseModel):
     all-gathered in (``bfloat16``: half the all-gather traffic; their matmuls round them to bf16
     anyway, but the norm weights are rounded too). Master weights, gradient reduction, and the
     embedding and head stay float32."""
+    fsdp_unit: Literal["block", "model"] = "block"
+    """Several ranks (FSDP2): shard each decoder block as its own unit (its parameters gathered
+    only around its own forward and backward, overlapped with the neighbours' compute) or the
+    whole model as one (``model``: one all-gather and one reduce-scatter of everything, and
+    FSDP2's per-unit host work, its hooks around every forward and backward, done once per
+    micro-batch instead of once per block; the whole model is unsharded while a micro-batch
+    runs). With ``fsdp_reduce="mini_batch"`` the blocks stay gathered through the mini-batch
+    anyway, so ``model`` costs little memory more and saves the host time."""
     seed: int = 0
     """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
 
@@ -114,6 +122,11 @@ class LearnerConfig(BaseModel):
             raise ValueError(
                 "fsdp_gather_dtype: 'bfloat16' needs dtype='bfloat16' (a float32 body would "
                 f"compute with rounded weights), got dtype={self.dtype!r}"
+            )
+        if self.fsdp_gather_dtype == "bfloat16" and self.fsdp_unit == "model":
+            raise ValueError(
+                "fsdp_gather_dtype: 'bfloat16' applies to the blocks' own units; with "
+                "fsdp_unit='model' the one unit holds the float32 head too (use 'float32')"
             )
         if self.tis is not None and not self.recompute_old_logprobs:
             raise ValueError(

@@ -8,6 +8,9 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
   body then runs each block as an FSDP2 forward method of the block's module
   (:meth:`~agentrl.kernels.packed_body.PackedBody.shard_ready`), so the same hooks gather,
   free and reduce its parameters as around transformers' forward;
+* with ``fsdp_unit="model"`` the root alone is sharded: one unit, so FSDP2's hooks run once
+  per forward and backward instead of once per block (they cost host time in every
+  micro-batch);
 * every rank receives the same whole batch and keeps a token-balanced share of each
   mini-batch (:func:`rank_share`, deterministic, so ranks agree without talking);
 * every rank runs the same number of micro-batches (:func:`equalize_counts` pads with empty
@@ -40,8 +43,12 @@ def shard(
     device: torch.device,
     world_size: int,
     block_dtype: torch.dtype | None = None,
+    per_block: bool = True,
 ) -> None:
     """Shard ``model``'s decoder blocks and then ``root`` (which contains ``model``) with FSDP2.
+
+    ``per_block=False`` shards ``root`` alone: one unit, gathered whole around each forward
+    and backward (``learner.fsdp_unit="model"``).
 
     A packed body on ``root`` (``root.body``) is told, so that it runs the sharded blocks
     through FSDP2's hooks. With ``block_dtype`` (bf16 when the body runs under bf16 autocast)
@@ -58,7 +65,7 @@ def shard(
     policy = MixedPrecisionPolicy(
         param_dtype=block_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    for sub in model.modules():
+    for sub in model.modules() if per_block else ():
         if type(sub).__name__ in blocks:
             fully_shard(sub, mesh=mesh, mp_policy=policy)
     fully_shard(root, mesh=mesh)

@@ -165,7 +165,8 @@ class Learner(LearnerWeights):
         self.module = wrap_model(model, config, self.body, self.device)
         if self.world_size > 1:
             block_dtype = torch.bfloat16 if config.fsdp_gather_dtype == "bfloat16" else None
-            shard(model, self.module, self.device, self.world_size, block_dtype)
+            per_block = config.fsdp_unit == "block"
+            shard(model, self.module, self.device, self.world_size, block_dtype, per_block)
         self.ref: LogprobModel | None = None
         if ref_model is not None:
             nn.Module.to(ref_model, device=self.device, dtype=torch.float32)
