@@ -289,6 +289,11 @@ def test_config_is_strict() -> None:
         LearnerConfig(tis="token")
     with pytest.raises(ValidationError):
         LearnerConfig(loss="ppo")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="needs dtype='bfloat16'"):
+        LearnerConfig(fsdp_gather_dtype="bfloat16")
+    with pytest.raises(ValidationError, match="fsdp_unit='model'"):  # the blocks have no unit
+        LearnerConfig(dtype="bfloat16", fsdp_gather_dtype="bfloat16", fsdp_unit="model")
+    LearnerConfig(dtype="bfloat16", fsdp_gather_dtype="bfloat16", fsdp_unit="block")
 
 
 def test_samples_from_trajectories() -> None:
