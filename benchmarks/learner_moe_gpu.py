@@ -166,7 +166,9 @@ def run_variant(
     # each one synchronises the device (a card close to full pays them every step)
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries if cuda else 0
     if args.profile and name == args.variants[0]:
-        profile_step(learner, batch, device)
+        from learner_profile import profile_update
+
+        profile_update(learner, batch, device)
     body, metrics_on = learner.body, learner.config.routing_metrics
     del learner, model
     free(device)
@@ -184,23 +186,6 @@ def run_variant(
         first_grad_norm=first["loss/grad_norm"],
     )
 
-
-def profile_step(learner: Learner, batch: list[TrainSample], device: torch.device) -> None:
-    """One more update under ``torch.profiler``: device busy/idle, largest gaps, top kernels."""
-    from learner_profile import _gaps, _kernels
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t = time.perf_counter()
-    with profile(activities=activities) as prof:
-        learner.step(batch)
-        sync(device)
-    print(f"# profiled update: {(time.perf_counter() - t) * 1e3:.0f} ms wall (with the profiler)")
-    kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    _gaps(prof, kind, 10)
-    _kernels(prof, kind, 30)
 
 
 def run_trl(

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from torch.autograd import DeviceType
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import learner_gpu as lg  # noqa: E402
 
 from agentrl.kernels import head as head_kernels  # noqa: E402
-from agentrl.learner import Learner  # noqa: E402
+from agentrl.learner import Learner, TrainSample  # noqa: E402
 
 
 def main() -> None:
@@ -64,16 +65,38 @@ def main() -> None:
     card = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{card}: {ours.variant}, head kernels {'off' if ours.no_head_kernels else 'on'}")
     print(f"step {step * 1e3:.1f} ms, {tokens / step:.0f} tokens/s (median of {ours.repeats})")
+    profile_update(learner, batch, args.device, gaps=ours.gaps, rows=ours.rows)
+
+
+def profile_update(
+    learner: Learner,
+    batch: list[TrainSample],
+    device: torch.device,
+    *,
+    gaps: int = 10,
+    rows: int = 30,
+    label: str = "profiled update",
+    file: TextIO | None = None,
+) -> None:
+    """One more ``learner.step(batch)`` under ``torch.profiler``, then print (to ``file``,
+    default stdout) its wall time, the device's busy time and largest idle gaps, and the
+    kernels by device time. On a CPU, host operations stand in for kernels."""
+    out = file or sys.stdout
+    cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t = time.perf_counter()
     with profile(activities=activities) as prof:
         learner.step(batch)
-        lg.sync(args.device)
+        lg.sync(device)
+    print(f"# {label}: {(time.perf_counter() - t) * 1e3:.0f} ms wall (with the profiler)",
+          file=out)  # fmt: skip
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    _gaps(prof, kind, ours.gaps)
-    _kernels(prof, kind, ours.rows)
+    _gaps(prof, kind, gaps, out)
+    _kernels(prof, kind, rows, out)
+    out.flush()
 
 
-def _gaps(prof: profile, kind: DeviceType, top: int) -> None:
+def _gaps(prof: profile, kind: DeviceType, top: int, out: TextIO) -> None:
     kernels = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
@@ -93,15 +116,15 @@ def _gaps(prof: profile, kind: DeviceType, top: int) -> None:
     span = kernels[-1][1] - kernels[0][0]
     print(
         f"device span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f}"
-        " ms"
+        " ms",
+        file=out,
     )
     for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
-        print(
-            f"  idle {gap:7.0f} us at {at / 1e3:6.1f} ms: after {before[:50]} | before {after[:50]}"
-        )
+        where = f"after {before[:50]} | before {after[:50]}"
+        print(f"  idle {gap:7.0f} us at {at / 1e3:6.1f} ms: {where}", file=out)
 
 
-def _kernels(prof: profile, kind: DeviceType, rows: int) -> None:
+def _kernels(prof: profile, kind: DeviceType, rows: int, out: TextIO) -> None:
     """Kernels by GPU time (the host-side ops, which carry the same time again, left out)."""
     cuda = kind == DeviceType.CUDA
     events = [e for e in prof.key_averages() if e.device_type == kind]
@@ -109,7 +132,7 @@ def _kernels(prof: profile, kind: DeviceType, rows: int) -> None:
     total = sum(times.values()) or 1.0
     counts = {e.key: e.count for e in events}
     for key, t in sorted(times.items(), key=lambda kv: -kv[1])[:rows]:
-        print(f"{100 * t / total:5.1f}% {t / 1e3:8.2f} ms {counts[key]:5d}  {key[:90]}")
+        print(f"{100 * t / total:5.1f}% {t / 1e3:8.2f} ms {counts[key]:5d}  {key[:90]}", file=out)
 
 
 if __name__ == "__main__":

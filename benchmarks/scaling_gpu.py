@@ -165,32 +165,16 @@ def measure_learner(args: argparse.Namespace, shape: str) -> dict[str, Any]:
 def profile_step(
     learner: Learner, samples: list[TrainSample], device: torch.device, on: bool, what: str
 ) -> None:
-    """One update; on rank 0 under ``torch.profiler``: device busy and gaps, top kernels."""
+    """One update; on rank 0 under ``torch.profiler`` (printed to stderr, which the driver
+    streams): device busy and gaps, top kernels."""
     if not on:
         learner.step(samples)
         return
     sys.path.insert(0, str(HERE))
-    from learner_profile import _gaps, _kernels
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from learner_profile import profile_update
 
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t = time.perf_counter()
-    with profile(activities=activities) as prof:
-        learner.step(samples)
-        if cuda:
-            torch.cuda.synchronize(device)
-    wall = (time.perf_counter() - t) * 1e3
-    print(f"[profile] {what}, rank 0: {wall:.0f} ms wall (with the profiler)", file=sys.stderr)
-    kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    stdout, sys.stdout = sys.stdout, sys.stderr  # the driver streams the workers' stderr
-    try:
-        _gaps(prof, kind, 12)
-        _kernels(prof, kind, 25)
-    finally:
-        sys.stdout = stdout
-    sys.stderr.flush()
+    profile_update(learner, samples, device, gaps=12, rows=25, label=f"{what}, rank 0",
+                   file=sys.stderr)  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
