@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from agentrl.learner.distributed import StepStats, gather_dict
+from agentrl.learner.distributed import StepStats
 from agentrl.learner.packing import PackedBatch, TrainSample
 
 
@@ -66,21 +66,20 @@ def tis_weights(
 
 def trainer_logprobs_by_sample(
     samples: Sequence[TrainSample], pre_update: dict[int, torch.Tensor]
-) -> list[list[float] | None]:
-    """Per sample, the trainer's log-prob of each token (0 where nothing trains), all ranks'.
+) -> dict[int, np.ndarray]:
+    """This rank's samples' trainer log-prob of each token (0 where nothing trains).
 
-    Vectorised: this host work sits between two steps, with the GPU idle.
+    Vectorised: this host work sits between two steps, with the GPU idle. The ranks' dicts are
+    merged with the step's statistics (:meth:`StepStats.merged`), in one collective.
     """
-    local: dict[int, list[float]] = {}
     keys = list(pre_update)
-    if keys:
-        trainer = torch.cat([pre_update[i].float() for i in keys]).cpu().numpy()  # one copy
-        lengths = [len(samples[i].loss_mask) for i in keys]
-        flat = chain.from_iterable(samples[i].loss_mask for i in keys)
-        mask = np.fromiter(flat, dtype=bool, count=sum(lengths))
-        full = np.zeros(mask.shape[0], dtype=np.float32)
-        full[mask] = trainer
-        rows = np.split(full, np.cumsum(lengths)[:-1])
-        local = {i: row.tolist() for i, row in zip(keys, rows, strict=True)}
-    gathered = gather_dict(local)
-    return [gathered.get(i) for i in range(len(samples))]
+    if not keys:
+        return {}
+    trainer = torch.cat([pre_update[i].float() for i in keys]).cpu().numpy()  # one copy
+    lengths = [len(samples[i].loss_mask) for i in keys]
+    flat = chain.from_iterable(samples[i].loss_mask for i in keys)
+    mask = np.fromiter(flat, dtype=bool, count=sum(lengths))
+    full = np.zeros(mask.shape[0], dtype=np.float32)
+    full[mask] = trainer
+    rows = np.split(full, np.cumsum(lengths)[:-1])
+    return dict(zip(keys, rows, strict=True))

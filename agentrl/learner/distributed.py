@@ -12,12 +12,13 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
   per forward and backward instead of once per block (they cost host time in every
   micro-batch);
 * every rank receives the same whole batch and keeps a token-balanced share of each
-  mini-batch (:func:`rank_share`, deterministic, so ranks agree without talking);
-* every rank runs the same number of micro-batches (:func:`equalize_counts` pads with empty
+  mini-batch (:func:`rank_shares`, deterministic, so ranks agree without talking);
+* every rank runs the same number of micro-batches (:func:`plan_micro_batches` pads with empty
   ones), since each forward and backward of a sharded module is a collective; with
   ``fsdp_reduce="mini_batch"`` gradients are reduced once per mini-batch, after its last
   micro-batch (:func:`accumulate_locally`);
-* metrics are merged once per step (:meth:`StepStats.merged`).
+* metrics and per-sample values are merged once per step, in one collective
+  (:meth:`StepStats.merged`).
 """
 
 from __future__ import annotations
@@ -119,49 +120,54 @@ def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> torch.Ten
     return norm
 
 
-def rank_share(
-    indices: Sequence[int], lengths: Sequence[int], rank: int, world_size: int
-) -> list[int]:
-    """The ``indices`` that ``rank`` trains on: longest first, each to the least-loaded rank.
+def rank_shares(indices: Sequence[int], lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Every rank's share of ``indices``: longest first, each to the least-loaded rank.
+
+    Deterministic, so every rank computes every rank's share without talking.
 
     Args:
         indices: the mini-batch's sample indices.
         lengths: token count of every sample (indexed by sample index).
-        rank: this rank.
         world_size: number of ranks.
 
     Returns:
-        This rank's indices, sorted.
+        For each rank, its indices, sorted.
     """
-    if world_size == 1:
-        return list(indices)
     loads = [0] * world_size
-    mine = []
+    shares: list[list[int]] = [[] for _ in range(world_size)]
     for i in sorted(indices, key=lambda i: -lengths[i]):
         r = loads.index(min(loads))
         loads[r] += lengths[i]
-        if r == rank:
-            mine.append(i)
-    return sorted(mine)
+        shares[r].append(i)
+    return [sorted(s) for s in shares]
 
 
-def equalize_counts(micro: list[list[list[int]]], device: torch.device) -> None:
-    """Pad every mini-batch's micro-batch list (in place) to the longest across ranks."""
-    if world()[1] == 1:
-        return
-    counts = torch.tensor([len(m) for m in micro], device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    for m, c in zip(micro, counts.tolist(), strict=True):
-        m += [[] for _ in range(c - len(m))]
+def rank_share(
+    indices: Sequence[int], lengths: Sequence[int], rank: int, world_size: int
+) -> list[int]:
+    """The ``indices`` that ``rank`` trains on (its part of :func:`rank_shares`)."""
+    if world_size == 1:
+        return list(indices)
+    return rank_shares(indices, lengths, world_size)[rank]
 
 
-def gather_dict(local: dict[int, Any]) -> dict[int, Any]:
-    """The union of every rank's ``local`` dict (keys are disjoint across ranks)."""
-    if world()[1] == 1:
-        return local
-    parts: list[Any] = [None] * world()[1]
-    dist.all_gather_object(parts, local)
-    return {k: v for p in parts for k, v in p.items()}
+def plan_micro_batches(
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    rank: int,
+    world_size: int,
+    pack: Callable[[list[int]], list[list[int]]],
+) -> list[list[int]]:
+    """This rank's micro-batches of one mini-batch, padded with empty ones to the most any rank has.
+
+    Each forward and backward of a sharded module is a collective, so every rank must run as
+    many. ``pack`` groups a list of lengths into bins of positions. Every rank computes every
+    rank's bins, so no collective (and no wait for the GPU) is needed to agree.
+    """
+    shares = rank_shares(indices, lengths, world_size) if world_size > 1 else [list(indices)]
+    bins = [pack([lengths[i] for i in share]) for share in shares]
+    mine = [[shares[rank][j] for j in b] for b in bins[rank]]
+    return mine + [[] for _ in range(max(len(b) for b in bins) - len(mine))]
 
 
 class StepStats:
@@ -197,15 +203,20 @@ class StepStats:
         table, pick = (self.maxs, max) if high else (self.mins, min)
         table[key] = pick(table[key], value) if key in table else value
 
-    def merged(self) -> StepStats:
-        """These statistics combined over all ranks (a collective under ``torch.distributed``)."""
+    def merged(self, by_key: dict[int, Any] | None = None) -> tuple[StepStats, dict[int, Any]]:
+        """These statistics combined over all ranks, and the union of the ranks' ``by_key``.
+
+        One collective under ``torch.distributed`` carries both (keys of ``by_key`` are
+        disjoint across ranks: e.g. per-sample values of each rank's share).
+        """
         self._record_later()
         if world()[1] == 1:
-            return self
+            return self, dict(by_key or {})
         parts: list[Any] = [None] * world()[1]
-        dist.all_gather_object(parts, self)
-        out = StepStats()
-        for p in parts:
+        dist.all_gather_object(parts, (self, by_key or {}))
+        out, union = StepStats(), {}
+        for p, keyed in parts:
+            union.update(keyed)
             for k, (s, w) in p.means.items():
                 out.mean(k, s / w if w else 0.0, w)
             for k, v in p.sums.items():
@@ -214,7 +225,7 @@ class StepStats:
                 out.extreme(k, v, high=False)
             for k, v in p.maxs.items():
                 out.extreme(k, v, high=True)
-        return out
+        return out, union
 
     def _record_later(self) -> None:
         pending, self._later = self._later, []

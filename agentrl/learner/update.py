@@ -62,8 +62,7 @@ from agentrl.learner.distributed import (
     StepStats,
     accumulate_locally,
     clip_grad_norm,
-    equalize_counts,
-    rank_share,
+    plan_micro_batches,
     shard,
     world,
 )
@@ -250,10 +249,12 @@ class Learner(LearnerWeights):
         if routing is not None:
             routing.after_update(followed, lambda m: self._probe(prepared, m), stats)
             self._routing = None
-        self.last_trainer_logprobs = trainer_logprobs_by_sample(
-            samples, old_trainer if old_trainer is not None else first
-        )
-        out = stats.merged().result()
+        pre = old_trainer if old_trainer is not None else first
+        merged, by_sample = stats.merged(trainer_logprobs_by_sample(samples, pre))
+        self.last_trainer_logprobs = [
+            by_sample[i].tolist() if i in by_sample else None for i in range(len(samples))
+        ]
+        out = merged.result()
         finish_metrics(out)
         for key in ("loss/policy", "loss/kl"):  # summed over micro-batches and ranks
             if key in out:
@@ -273,12 +274,12 @@ class Learner(LearnerWeights):
         bounds = [round(k * n / m) for k in range(m + 1)]
         lengths = [len(s.tokens) for s in samples]
         minibatches = [list(range(bounds[k], bounds[k + 1])) for k in range(m)]
-        micro = []
-        for indices in minibatches:
-            mine = rank_share(indices, lengths, self.rank, self.world_size)
-            bins = pack_sequences([lengths[i] for i in mine], self.config.micro_batch_tokens)
-            micro.append([[mine[j] for j in b] for b in bins])
-        equalize_counts(micro, self.device)
+        budget = self.config.micro_batch_tokens
+        pack = lambda ls: pack_sequences(ls, budget)  # noqa: E731
+        micro = [
+            plan_micro_batches(indices, lengths, self.rank, self.world_size, pack)
+            for indices in minibatches
+        ]
         return minibatches, micro
 
     def _build(self, samples: Sequence[TrainSample], micro: list[int]) -> _Micro:
