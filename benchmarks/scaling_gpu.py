@@ -297,9 +297,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", type=int, default=12288)
     ap.add_argument("--chunk-size", type=int, default=1024)
     ap.add_argument("--no-checkpointing", action="store_true", help="none on the 1.7B shape")
-    ap.add_argument("--fsdp-reduce", choices=["micro_batch", "mini_batch"],
-                    default="micro_batch", help="learner.fsdp_reduce")
-    ap.add_argument("--fsdp-unit", choices=["block", "model"], default="block",
+    ap.add_argument("--fsdp-reduce", choices=["auto", "micro_batch", "mini_batch"],
+                    default="auto", help="learner.fsdp_reduce (default: the learner's default)")
+    ap.add_argument("--fsdp-unit", choices=["auto", "block", "model"], default="auto",
                     help="learner.fsdp_unit: FSDP2 units per decoder block or one for the model")
     ap.add_argument("--fsdp-bf16-gather", action="store_true",
                     help="learner.fsdp_gather_dtype=bfloat16 (on a card)")
@@ -307,6 +307,8 @@ def parse_args() -> argparse.Namespace:
                     help="profile one more update on rank 0 (printed by the workers)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--learner", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure learner scaling (--no-learner: the loop and the push only)")
     ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--loop-steps", type=int, default=6)
     ap.add_argument("--loop-tasks", type=int, default=32, help="tasks per step (x8 episodes)")
@@ -335,7 +337,7 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="scaling_"))
     learner: dict[int, dict[str, Any]] = {}
-    for n in args.gpus:  # each figure as soon as it is measured: a killed run keeps them
+    for n in args.gpus if args.learner else []:  # each figure as soon as it is measured
         learner[n] = run_workers(args, n, work)
         progress(f"learner on {n} GPU(s): {learner[n]}")
     loop: dict[int, dict[str, Any]] = {}

@@ -17,9 +17,11 @@ import torch
 from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.tiny import build_tiny
 
-# gradients reduced once per mini-batch (``fsdp_reduce``): still equal to one process
+# gradients reduced once per mini-batch (``fsdp_reduce``) with per-block units, the blocks kept
+# gathered through the mini-batch: still equal to one process
 CONFIG = dict(
-    lr=1e-4, num_minibatches=4, micro_batch_tokens=48, grad_clip=1.0, fsdp_reduce="mini_batch"
+    lr=1e-4, num_minibatches=4, micro_batch_tokens=48, grad_clip=1.0, fsdp_reduce="mini_batch",
+    fsdp_unit="block",
 )
 # (prompt, response) lengths. Mini-batches are [0, 1], [2, 3], [4], [5, 6]: in the third, rank 1
 # has no sequence and runs an empty micro-batch; in the last, rank 0 gets sample 5 (the longer),
@@ -177,3 +179,20 @@ def test_micro_batch_plans_agree_across_ranks_without_talking() -> None:
         assert max(loads) - min(loads) <= max(lengths[i] for i in indices)
     padded = [plan_micro_batches([0, 1, 2], [900, 600, 500], r, 2, pack) for r in range(2)]
     assert padded == [[[0], []], [[1], [2]]]
+
+
+def test_auto_fsdp_layout_keeps_large_models_sharded() -> None:
+    """``auto``: one unit and one reduction per mini-batch while the unsharded float32 model and
+    its gradients take at most a quarter of the memory; per-block units and per-micro-batch
+    reductions beyond; explicit choices pass through; a bf16 gather keeps per-block units."""
+    from agentrl.learner.distributed import fsdp_layout
+
+    cpu = torch.device("cpu")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    small, large = int(total / 32) - 1, int(total / 32) + 1  # 8 bytes a parameter
+    assert fsdp_layout("auto", "auto", False, small, cpu) == ("model", "mini_batch")
+    assert fsdp_layout("auto", "auto", False, large, cpu) == ("block", "micro_batch")
+    assert fsdp_layout("auto", "auto", True, small, cpu) == ("block", "mini_batch")
+    assert fsdp_layout("auto", "micro_batch", False, small, cpu) == ("block", "micro_batch")
+    assert fsdp_layout("block", "mini_batch", False, large, cpu) == ("block", "mini_batch")
+    assert fsdp_layout("model", "auto", False, large, cpu) == ("model", "micro_batch")

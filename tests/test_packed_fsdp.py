@@ -66,11 +66,15 @@ CPU_BF16 = dict(CPU, dtype="bfloat16", fsdp_gather_dtype="bfloat16", eps_low=0.9
 
 def settings(kind: str, mode: str) -> dict[str, Any]:
     """The learner settings of a run: the MoE runs reduce gradients once per mini-batch, and
-    ``moe-model`` shards the whole model as one FSDP2 unit."""
+    ``moe-model`` shards the whole model as one FSDP2 unit; on a card, the default layout."""
     base = {"cpu": CPU, "cuda": GPU, "cpu-bf16": CPU_BF16}[mode]
     if kind == "moe-model":
         return {**base, "fsdp_reduce": "mini_batch", "fsdp_unit": "model"}
-    return {**base, "fsdp_reduce": "mini_batch"} if kind == "moe" else base
+    if kind == "moe":
+        return {**base, "fsdp_reduce": "mini_batch", "fsdp_unit": "block"}
+    # dense on the CPU: the sharded-memory layout (``auto``, the default, picks model +
+    # mini_batch for a model this small; ``moe-model`` and the multi-process train tests run it)
+    return base if mode == "cuda" else {**base, "fsdp_reduce": "micro_batch", "fsdp_unit": "block"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 

@@ -23,6 +23,7 @@ The learner runs unchanged in one process or under ``torchrun``. With more than 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +74,29 @@ def shard(
     body = getattr(root, "body", None)  # a PackedBody: run its layers in FSDP2's hooks
     if body is not None:
         body.shard_ready()
+
+
+def fsdp_layout(
+    unit: str, reduce: str, gather_bf16: bool, num_params: int, device: torch.device
+) -> tuple[str, str]:
+    """``(fsdp_unit, fsdp_reduce)`` with ``"auto"`` resolved (:class:`LearnerConfig`).
+
+    ``mini_batch`` (and, without a bf16 gather, the one-unit ``model``) when one unsharded
+    float32 copy of the parameters plus its gradients takes at most a quarter of the device's
+    memory: the fast layout then costs little of the card, and larger models stay sharded.
+    """
+    if "auto" not in (unit, reduce):
+        return unit, reduce
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = 8 * num_params <= total / 4
+    if reduce == "auto":
+        reduce = "mini_batch" if fits else "micro_batch"
+    if unit == "auto":
+        unit = "model" if reduce == "mini_batch" and fits and not gather_bf16 else "block"
+    return unit, reduce
 
 
 def accumulate_locally(module: nn.Module, on: bool) -> None:

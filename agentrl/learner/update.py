@@ -62,6 +62,7 @@ from agentrl.learner.distributed import (
     StepStats,
     accumulate_locally,
     clip_grad_norm,
+    fsdp_layout,
     plan_micro_batches,
     shard,
     world,
@@ -162,9 +163,15 @@ class Learner(LearnerWeights):
             enable = getattr(model, "activation_checkpointing_enable", None)
             (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
         self.module = wrap_model(model, config, self.body, self.device)
+        bf16_gather = config.fsdp_gather_dtype == "bfloat16"
+        num_params = sum(p.numel() for p in model.parameters())
+        self.fsdp_unit, self.fsdp_reduce = fsdp_layout(
+            config.fsdp_unit, config.fsdp_reduce, bf16_gather, num_params, self.device
+        )
+        """The FSDP2 layout this learner uses (``auto`` resolved; no effect in one process)."""
         if self.world_size > 1:
-            block_dtype = torch.bfloat16 if config.fsdp_gather_dtype == "bfloat16" else None
-            per_block = config.fsdp_unit == "block"
+            block_dtype = torch.bfloat16 if bf16_gather else None
+            per_block = self.fsdp_unit == "block"
             shard(model, self.module, self.device, self.world_size, block_dtype, per_block)
         self.ref: LogprobModel | None = None
         if ref_model is not None:
@@ -239,7 +246,7 @@ class Learner(LearnerWeights):
         for k, (indices, micro_k) in enumerate(zip(minibatches, micro, strict=True)):
             num_seqs = max(1, sum(1 for i in indices if samples[i].num_loss_tokens))
             for j, m in enumerate(micro_k):  # mismatch metrics on the first mini-batch
-                if self.world_size > 1 and c.fsdp_reduce == "mini_batch":  # ranks agree on
+                if self.world_size > 1 and self.fsdp_reduce == "mini_batch":  # ranks agree on
                     accumulate_locally(self.module, on=j < len(micro_k) - 1)  # the count
                 with routing.replay(m) if routing is not None else nullcontext():
                     self._micro_step(
