@@ -21,6 +21,7 @@
 Usage on a 4-GPU host: ``python benchmarks/scaling_gpu.py`` (it launches
 ``torchrun --nproc-per-node N`` for each N itself; ``--gpus 1 2`` on a 2-GPU host). One
 measurement alone: ``torchrun --nproc-per-node 2 benchmarks/scaling_gpu.py --worker --out F``.
+``--no-learner``: the loop and the push only.
 CPU dry run (gloo, a tiny shape, seconds): ``python benchmarks/scaling_gpu.py --device cpu``.
 Last line: JSON with ``tokens_per_s_by_gpus``, ``scaling_efficiency_2``, ``scaling_efficiency_4``
 (per shape), ``peak_mem_gib_by_gpus``, ``loop_tokens_per_s_by_gpus``, ``nccl_push_s``,
