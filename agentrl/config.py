@@ -84,11 +84,14 @@ class InferenceConfig(_Section):
     """A request in flight this long triggers a health probe of its endpoint; if the endpoint
     does not answer, the request is aborted there first, then resubmitted to a healthy endpoint.
     ``None`` disables the check."""
-    weight_sync: Literal["disk", "distributed"] = "disk"
+    weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
     """How new weights reach remote servers: ``disk`` (a safetensors checkpoint that
-    ``/update_weights_from_disk`` loads: the servers must see the run directory) or
+    ``/update_weights_from_disk`` loads: the servers must see the run directory),
     ``distributed`` (broadcast over a process group with SGLang's ``/init_weights_update_group``
-    and ``/update_weights_from_distributed``: NCCL from a learner on a GPU, gloo from a CPU)."""
+    and ``/update_weights_from_distributed``: NCCL from a learner on a GPU, gloo from a CPU) or
+    ``tensor`` (SGLang's ``/update_weights_from_tensor``: handles to the learner's tensors, CUDA
+    IPC on a card, shared memory on the CPU; servers on this host only, seeing its devices under
+    the same numbering)."""
     weight_sync_address: str = "127.0.0.1"
     """``distributed``: this host's address as the servers reach it (the group's store)."""
     weight_sync_port: int = Field(0, ge=0, le=65535)

@@ -149,11 +149,11 @@ async def test_update_without_a_group_is_refused(tiny_server) -> None:
 
 
 @pytest.mark.slow
-def test_trainer_pushes_over_a_group_with_weight_sync_distributed(
-    tmp_path, tiny_server_factory
-) -> None:
+@pytest.mark.parametrize("weight_sync", ["distributed", "tensor"])
+def test_trainer_pushes_without_the_disk(tmp_path, tiny_server_factory, weight_sync: str) -> None:
     """``inference.weight_sync=distributed``: the trainer broadcasts each version (gloo from the
-    CPU learner) instead of writing a checkpoint; the overlapped loop interrupts around it."""
+    CPU learner) instead of writing a checkpoint; ``tensor``: it sends handles to its tensors
+    (shared memory on the CPU); the overlapped loop interrupts around either."""
     import asyncio
     import json
     import urllib.request
@@ -170,7 +170,7 @@ def test_trainer_pushes_over_a_group_with_weight_sync_distributed(
         "cold_start": {"steps": 0},
         "learner": {"lr": 1e-4, "num_minibatches": 2},
         "advantages": {"shapers": [{"name": "format", "penalty": 0.1}]},  # a signal every step
-        "inference": {"endpoints": [server.url], "weight_sync": "distributed",
+        "inference": {"endpoints": [server.url], "weight_sync": weight_sync,
                       "weight_sync_bucket_mb": 0.5},
         "train": {"steps": 2, "tasks_per_step": 4, "eval_every": 0, "checkpoint_every": 0},
     }  # fmt: skip

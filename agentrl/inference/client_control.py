@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from agentrl.errors import ServerError
 from agentrl.inference.endpoints import Endpoint
 from agentrl.inference.sglang_api import check_update_response
+from agentrl.inference.weight_ipc import dump_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,26 @@ class ControlPlane:
         check_update_response(
             await self._call(ep, "POST", "/update_weights_from_disk", payload), ep.url
         )
+
+    async def update_weights_from_tensor(
+        self, named_tensors: Mapping[str, torch.Tensor], weight_version: int
+    ) -> None:
+        """Load ``named_tensors`` on every endpoint as ``weight_version``, by handle.
+
+        SGLang's ``/update_weights_from_tensor``: the servers must run on this host and see its
+        devices under the same numbering (CUDA IPC handles; shared-memory file names for CPU
+        tensors), so nothing but handles crosses the socket. The tensors must stay unchanged
+        until this returns. Unlike :meth:`update_weights_from_disk`, an endpoint out of rotation
+        does not get these weights later.
+
+        Raises:
+            ServerError: an endpoint refused the update (``success: false``), or none took it.
+        """
+        entry = await asyncio.to_thread(dump_named_tensors, named_tensors.items())
+        payload = {"serialized_named_tensors": [entry], "weight_version": str(weight_version)}
+        bodies = await self._broadcast("/update_weights_from_tensor", payload)
+        for url, body in bodies.items():
+            check_update_response(body, url)
 
     async def flush_cache(self) -> bool:
         """``/flush_cache`` on every endpoint; False if one refused (busy: requests open)."""

@@ -9,6 +9,9 @@ receives them and loads them. This is SGLang's protocol (``/init_weights_update_
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``); ``agentrl serve``
 implements the receiving side, so the path is tested on CPUs with gloo. The version label goes
 with the last bucket only, so a server's label changes once all of a version has arrived.
+
+:class:`TensorWeightPush` is the same-host alternative: ``/update_weights_from_tensor`` with
+handles to the tensors (:mod:`agentrl.inference.weight_ipc`), no process group.
 """
 
 from __future__ import annotations
@@ -219,3 +222,44 @@ def _push_error(
                 return ServerError(f"{where}: {r.message}{extra}", endpoint=url, status=r.status)
             return ServerError(f"{where}: {r}{extra}", endpoint=url)
     return ServerError(f"{where}: the broadcast: {send}", endpoint="trainer")
+
+
+class TensorWeightPush:
+    """``inference.weight_sync="tensor"``: each version to every endpoint by handle.
+
+    The same interface as :class:`~agentrl.inference.weight_push.DistributedWeightPush`, for a
+    trainer whose servers run on its own host (a colocated server on the learner's card).
+
+    Args:
+        endpoints: the servers' URLs.
+        timeout_s: HTTP timeout of an update call.
+    """
+
+    def __init__(self, endpoints: list[str], timeout_s: float = 120.0) -> None:
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self.last_push_s = 0.0
+        self._client: Any = None
+
+    async def push(self, weights: dict[str, torch.Tensor], version: int) -> float:
+        """Load ``weights`` on every endpoint as ``version``; returns the seconds it took.
+
+        Raises:
+            ServerError: an endpoint refused the update, or none answered.
+        """
+        from agentrl.inference.client import SGLangClient
+
+        t0 = time.perf_counter()
+        if self._client is None:
+            self._client = SGLangClient(self.endpoints, timeout_s=self.timeout_s)
+        if any(t.device.type == "cuda" for t in weights.values()):
+            torch.cuda.synchronize()  # the server reads the memory on its own streams
+        await self._client.update_weights_from_tensor(weights, version)
+        self.last_push_s = time.perf_counter() - t0
+        return self.last_push_s
+
+    async def aclose(self) -> None:
+        """Close the HTTP session."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -3,7 +3,9 @@
 ``POST /init_weights_update_group`` joins the trainer's weight-update group (it blocks until the
 group forms, as SGLang's does); each ``POST /update_weights_from_distributed`` receives one
 bucket of broadcast tensors (names, dtypes and shapes in the JSON body) into a staging area;
-``POST /destroy_weights_update_group`` leaves the group. Unlike SGLang, which loads every bucket
+``POST /destroy_weights_update_group`` leaves the group. ``POST /update_weights_from_tensor``
+takes a bucket by handle instead (CUDA IPC or shared memory: a trainer on the same host). Unlike
+SGLang, which loads every bucket
 into the live model as it arrives, the engine here swaps in a version at once: buckets are
 staged until they cover every parameter, then loaded in one engine update (between decode
 steps), labelled with the ``weight_version`` the buckets carried. A version is complete at a
@@ -28,6 +30,7 @@ from agentrl.errors import ServerError
 from agentrl.inference.engine import LocalEngine
 from agentrl.inference.sglang_api import parse_weight_version
 from agentrl.inference.weight_group import GROUP_NAME, WeightGroup, open_group, parse_dtype
+from agentrl.inference.weight_ipc import load_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +77,12 @@ class WeightReceiver:
         self._lock = asyncio.Lock()  # buckets arrive one at a time, in the trainer's order
 
     def routes(self) -> list[web.RouteDef]:
-        """The three routes, for the server's application."""
+        """The routes, for the server's application."""
         return [
             web.post("/init_weights_update_group", self.init_group),
             web.post("/update_weights_from_distributed", self.update),
             web.post("/destroy_weights_update_group", self.destroy),
+            web.post("/update_weights_from_tensor", self.update_from_tensor),
         ]
 
     async def init_group(self, request: web.Request) -> web.Response:
@@ -147,22 +151,61 @@ class WeightReceiver:
             except RuntimeError as exc:
                 self._staged.clear()
                 return _result(False, f"receiving the bucket failed: {exc}")
-            bad = [
-                f"{n}: expected {self._own[n][0]}, got {s}" if n in self._own else f"{n}: unknown"
-                for n, s in zip(names, shapes, strict=True)
-                if n not in self._own or self._own[n][0] != s
-            ]
-            if bad:
-                self._staged.clear()
-                return _result(False, f"weights refused ({len(bad)} names): {bad[:3]}")
-            for n, t in zip(names, buffers, strict=True):
-                self._staged[n] = t
-            if label is not None:
-                self._label = str(label)
-            covered = all(tied & self._staged.keys() for tied in self._required)
-            if not (last and covered):
-                return _result(True, f"staged {len(names)} tensors")
-            return await self._load()
+            return await self._stage(names, buffers, label, last)
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weights_from_tensor``: tensors by handle, from this host.
+
+        The handles (:mod:`agentrl.inference.weight_ipc`) are opened, copied to the engine's
+        device, and staged and loaded as a bucket of the distributed push is.
+        """
+        try:
+            body = await _body(request)
+            entries = body["serialized_named_tensors"]
+            if not (
+                isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], str)
+            ):
+                raise ValueError(
+                    "serialized_named_tensors: expected one string (no tensor parallelism)"
+                )
+            if body.get("load_format") not in (None, "direct"):
+                return _result(False, f"load_format {body['load_format']!r} is not supported")
+            label = body.get("weight_version")
+            last = label is not None or bool(body.get("flush_cache", True))
+            named = await asyncio.to_thread(load_named_tensors, entries[0])
+        except KeyError as exc:
+            return _result(False, f"bad request: missing {exc}")
+        except (TypeError, ValueError) as exc:
+            return _result(False, f"bad request: {exc}")
+        if body.get("abort_all_requests") is True:
+            await self.engine.abort(None)
+        async with self._lock:
+            # copies on the engine's device: the sender may free its memory once this returns
+            device = self.engine.device
+            tensors = await asyncio.to_thread(lambda: [t.to(device, copy=True) for _, t in named])
+            return await self._stage([n for n, _ in named], tensors, label, last)
+
+    async def _stage(
+        self, names: list[str], tensors: list[torch.Tensor], label: Any, last: bool
+    ) -> web.Response:
+        """Stage a bucket; load the version once it is complete (under ``self._lock``)."""
+        bad = [
+            f"{n}: expected {self._own[n][0]}, got {tuple(t.shape)}" if n in self._own
+            else f"{n}: unknown"
+            for n, t in zip(names, tensors, strict=True)
+            if n not in self._own or self._own[n][0] != tuple(t.shape)
+        ]  # fmt: skip
+        if bad:
+            self._staged.clear()
+            return _result(False, f"weights refused ({len(bad)} names): {bad[:3]}")
+        for n, t in zip(names, tensors, strict=True):
+            self._staged[n] = t
+        if label is not None:
+            self._label = str(label)
+        covered = all(tied & self._staged.keys() for tied in self._required)
+        if not (last and covered):
+            return _result(True, f"staged {len(names)} tensors")
+        return await self._load()
 
     async def _load(self) -> web.Response:
         staged, label = self._staged, self._label

@@ -193,13 +193,18 @@ def make_local_engine(
 
 
 def make_weight_push(config: TrainConfig, device: torch.device) -> Any:
-    """The distributed weight push to ``inference.endpoints``, or ``None`` (the disk path).
+    """The weight push to ``inference.endpoints``, or ``None`` (the disk path).
 
-    NCCL when the learner is on a card, gloo otherwise; the group forms at the first push.
+    ``distributed``: NCCL when the learner is on a card, gloo otherwise; the group forms at the
+    first push. ``tensor``: by handle, to servers on this host.
     """
     inf = config.inference
-    if not inf.endpoints or inf.weight_sync != "distributed":
+    if not inf.endpoints or inf.weight_sync == "disk":
         return None
+    if inf.weight_sync == "tensor":
+        from agentrl.inference.weight_push import TensorWeightPush
+
+        return TensorWeightPush(inf.endpoints, timeout_s=inf.timeout_s)
     from agentrl.inference.weight_push import DistributedWeightPush
 
     port = inf.weight_sync_port

@@ -1,0 +1,100 @@
+"""SGLang's ``/update_weights_from_tensor`` between this process and a real ``agentrl serve``.
+
+On a CPU host the tensors travel as shared-memory file names (CUDA IPC handles on a card):
+the server opens them, so no weights cross the socket.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+
+import aiohttp
+import pytest
+import torch
+
+from agentrl.errors import ServerError
+from agentrl.inference.base import SamplingParams
+from agentrl.inference.client import SGLangClient
+from agentrl.inference.weight_ipc import dump_named_tensors, load_named_tensors
+from agentrl.tiny import build_tiny_model
+
+TOL = 1e-5  # float32 on CPU: the served log-probs equal a teacher-forced pass of the pushed model
+PROMPT = [1, 30, 31]
+PARAMS = SamplingParams(max_new_tokens=10, temperature=0.9, ignore_eos=True, seed=5)
+
+
+def test_payload_round_trip_keeps_values_and_refuses_other_globals() -> None:
+    t = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    b = torch.arange(6, dtype=torch.bfloat16)
+    entry = dump_named_tensors([("a", t), ("b", b[2:])])
+    assert not t.is_shared()  # the caller's tensor stays where it was
+    (na, ta), (nb, tb) = load_named_tensors(entry)
+    assert (na, nb) == ("a", "b") and torch.equal(ta, t) and torch.equal(tb, b[2:])
+    assert tb.dtype is torch.bfloat16
+    evil = base64.b64encode(pickle.dumps([("x", os.system)])).decode()
+    with pytest.raises(ValueError, match="refused global"):
+        load_named_tensors(evil)
+    with pytest.raises(ValueError, match="unreadable"):
+        load_named_tensors("not base64!")
+    with pytest.raises(ValueError, match="pairs"):
+        load_named_tensors(base64.b64encode(pickle.dumps({"a": 1})).decode())
+
+
+async def test_tensor_push_serves_the_new_weights(
+    tiny_server_factory, tiny, teacher_logprobs
+) -> None:
+    server = tiny_server_factory()  # starts from seed 0
+    pushed = build_tiny_model(tiny[1], seed=1)
+    weights = {k: v.detach().clone() for k, v in pushed.state_dict().items()}
+    async with SGLangClient(server.url) as client:
+        await client.update_weights_from_tensor(weights, 7)
+        assert (await client.model_info())["weight_version"] == "7"
+        out = await client.generate(PROMPT, PARAMS)
+        assert out.versions == [7] * 10
+        new = teacher_logprobs(pushed, PROMPT, out.output_ids, 0.9)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, new, strict=True)) < TOL
+
+        # a tensor of the wrong shape is refused and nothing changes
+        bad = dict(weights)
+        name = "model.embed_tokens.weight"
+        bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
+        with pytest.raises(ServerError, match="refused"):
+            await client.update_weights_from_tensor(bad, 8)
+        assert (await client.model_info())["weight_version"] == "7"
+
+
+async def test_a_version_in_two_buckets_by_handle(
+    tiny_server_factory, tiny, teacher_logprobs
+) -> None:
+    """The first bucket is staged, the second (with the label) completes the version; a payload
+    that names another global, or one entry per tensor-parallel rank, is refused, and the server
+    keeps serving."""
+    server = tiny_server_factory()
+    pushed = build_tiny_model(tiny[1], seed=2)
+    items = [(k, v.detach().clone() * 0.5) for k, v in pushed.state_dict().items()]
+    half = len(items) // 2
+    url = server.url + "/update_weights_from_tensor"
+    async with aiohttp.ClientSession() as s:
+        first = {"serialized_named_tensors": [dump_named_tensors(items[:half])],
+                 "flush_cache": False}  # fmt: skip
+        async with s.post(url, json=first) as r:
+            assert r.status == 200, await r.text()
+            assert "staged" in (await r.json())["message"]
+        last = {"serialized_named_tensors": [dump_named_tensors(items[half:])],
+                "weight_version": "3"}  # fmt: skip
+        async with s.post(url, json=last) as r:
+            assert r.status == 200, await r.text()
+        evil = base64.b64encode(pickle.dumps([("x", os.system)])).decode()
+        async with s.post(url, json={"serialized_named_tensors": [evil]}) as r:
+            assert r.status == 400 and "refused global" in (await r.json())["message"]
+        async with s.post(url, json={"serialized_named_tensors": ["a", "b"]}) as r:
+            assert r.status == 400 and "tensor parallelism" in (await r.json())["message"]
+    halved = build_tiny_model(tiny[1], seed=2)
+    halved.load_state_dict({k: v * 0.5 for k, v in halved.state_dict().items()})
+    async with SGLangClient(server.url) as client:
+        assert (await client.model_info())["weight_version"] == "3"
+        out = await client.generate(PROMPT, PARAMS)
+        new = teacher_logprobs(halved, PROMPT, out.output_ids, 0.9)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, new, strict=True)) < TOL
