@@ -33,13 +33,25 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "/update_weights_from_disk, /model_info, ...). '--model tiny' needs no download."
         ),
     )
-    parser.add_argument(
-        "--model", required=True, help="HF model directory, or a preset ('tiny', 'tiny-moe')"
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--model", help="HF model directory, or a preset ('tiny', 'tiny-moe')"
+    )
+    which.add_argument(
+        "--config",
+        help="a training config: serve its policy with the engine 'agentrl train' would build "
+        "(model, dtype, device, KV budget, batch size), e.g. on the learner's card for "
+        "inference.weight_sync=tensor; --section.key=value items after it override it",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port; 0 picks a free one")
-    parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=64,
+        help="requests decoded together (--model; a --config sets its own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", default=None, help="torch device (--model; default: cuda if present)"
+    )
     parser.add_argument(
         "--weight-version", default="default", help="label of the initial weights (SGLang's)"
     )
@@ -51,7 +63,7 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    parser.set_defaults(func=_cmd_serve)
+    parser.set_defaults(func=_cmd_serve, accepts_overrides=True)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -69,6 +81,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # One stable line on stdout: scripts and test fixtures wait for it (port 0 included).
         print(f"agentrl serve: listening on {url}", flush=True)
 
+    if args.config is not None:
+        from agentrl.config import load_config
+        from agentrl.inference.server import run_engine_server
+        from agentrl.loop.placement import load_policy, make_local_engine
+
+        config = load_config(args.config, args.overrides)
+        model, tokenizer = load_policy(config)
+        run_engine_server(
+            make_local_engine(model, tokenizer, config, copy_model=False),
+            model_path=config.model.path,
+            host=args.host,
+            port=args.port,
+            weight_version=args.weight_version,
+            served_model_name=args.served_model_name,
+            on_ready=announce,
+        )
+        return 0
+    if args.overrides:  # a bad argument, one line, as argparse says it
+        print(f"agentrl serve: error: overrides need --config: {' '.join(args.overrides)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     run_server(
         args.model,
         host=args.host,

@@ -99,9 +99,12 @@ class ServerProcess:
         self.proc.wait(timeout=15)
 
 
-def start_tiny_server(*extra_args: str, timeout_s: float = 90.0) -> ServerProcess:
-    """Start `agentrl serve --model tiny --port 0` and wait until /health answers 200."""
-    cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", "tiny", "--port", "0"]
+def start_tiny_server(
+    *extra_args: str, timeout_s: float = 90.0, source: tuple[str, ...] = ("--model", "tiny")
+) -> ServerProcess:
+    """Start `agentrl serve --model tiny --port 0` (or another ``source``: ``--config F``) and
+    wait until /health answers 200."""
+    cmd = [sys.executable, "-m", "agentrl.cli", "serve", *source, "--port", "0"]
     cmd += ["--torch-threads", "1", "--log-level", "WARNING", *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(

@@ -98,3 +98,64 @@ async def test_a_version_in_two_buckets_by_handle(
         out = await client.generate(PROMPT, PARAMS)
         new = teacher_logprobs(halved, PROMPT, out.output_ids, 0.9)
         assert max(abs(a - b) for a, b in zip(out.logprobs, new, strict=True)) < TOL
+
+
+@pytest.mark.slow
+def test_serve_config_and_a_tensor_push_train_together(tmp_path) -> None:
+    """``agentrl serve --config`` builds the policy as ``agentrl train`` does (same weights, so
+    the served version 0 is the learner's), and ``inference.weight_sync=tensor`` keeps it in
+    step: after two steps it serves the learner's weights."""
+    import asyncio
+    import json
+
+    import yaml
+    from conftest import start_tiny_server
+
+    from agentrl.config import load_config
+    from agentrl.loop.trainer import Trainer
+    from agentrl.types import Message
+
+    cfg = {
+        "run_dir": str(tmp_path / "run"), "seed": 4,
+        "env": {"id": "arith-v0", "task_kwargs": {"digits": 1}, "num_train_tasks": 64,
+                "num_eval_tasks": 4},
+        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
+        "cold_start": {"steps": 0},
+        "learner": {"lr": 1e-4, "num_minibatches": 2},
+        "advantages": {"shapers": [{"name": "format", "penalty": 0.1}]},
+        "train": {"steps": 2, "tasks_per_step": 4, "eval_every": 0, "checkpoint_every": 0},
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    server = start_tiny_server("--torch-threads", "1", source=("--config", str(path)))
+    try:
+        cfg["inference"] = {"endpoints": [server.url], "weight_sync": "tensor"}
+        trainer = Trainer(load_config(cfg))
+        prompt = trainer.chat.prompt_ids([Message(role="user", content="1+2=")])
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=1)
+
+        async def served() -> tuple[str, list[float], list[int]]:
+            async with SGLangClient(server.url) as client:
+                out = await client.generate(prompt, params)
+                version = (await client.model_info())["weight_version"]
+            return version, out.logprobs, out.output_ids
+
+        def learners(ids: list[int]) -> list[float]:
+            model = build_tiny_model(trainer.tokenizer, seed=0)
+            model.load_state_dict(trainer.learner.state_dict_for_inference())
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + ids])).logits[0].float()
+            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+            return lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+        _, before, ids = asyncio.run(served())  # the same seeded policy on both sides
+        assert max(abs(a - b) for a, b in zip(before, learners(ids), strict=True)) < TOL
+        assert asyncio.run(trainer.run())["steps"] == 2
+        version, after, ids = asyncio.run(served())
+        assert version == "2" and not (tmp_path / "run" / "weights").exists()
+        assert max(abs(a - b) for a, b in zip(after, learners(ids), strict=True)) < TOL
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        steps = [json.loads(x) for x in lines]
+        assert any("perf/tokens" in m for m in steps)  # it trained: new weights went out
+    finally:
+        server.stop()

@@ -472,6 +472,28 @@ def run_server(
         weight_version=parse_weight_version(weight_version),
         return_routed_experts=enable_return_routed_experts,
     )
+    run_engine_server(
+        engine,
+        model_path=model,
+        host=host,
+        port=port,
+        weight_version=weight_version,
+        served_model_name=served_model_name,
+        on_ready=on_ready,
+    )
+
+
+def run_engine_server(
+    engine: LocalEngine,
+    *,
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    weight_version: str = "default",
+    served_model_name: str | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``engine`` until SIGINT or SIGTERM, then shut down cleanly."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -482,7 +504,7 @@ def run_server(
             engine,
             host=host,
             port=port,
-            model_path=model,
+            model_path=model_path,
             served_model_name=served_model_name,
             weight_version=weight_version,
             on_ready=on_ready,
