@@ -72,7 +72,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     import torch
 
-    from agentrl.inference.server import run_server
+    from agentrl.inference.server import run_engine_server
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -81,37 +81,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # One stable line on stdout: scripts and test fixtures wait for it (port 0 included).
         print(f"agentrl serve: listening on {url}", flush=True)
 
-    if args.config is not None:
+    if args.overrides and args.config is None:  # a bad argument, one line, as argparse says
+        print(f"agentrl serve: error: overrides need --config: {' '.join(args.overrides)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.config is not None:  # the policy and engine `agentrl train CONFIG` would build
         from agentrl.config import load_config
-        from agentrl.inference.server import run_engine_server
         from agentrl.loop.placement import load_policy, make_local_engine
 
         config = load_config(args.config, args.overrides)
         model, tokenizer = load_policy(config)
-        run_engine_server(
-            make_local_engine(model, tokenizer, config, copy_model=False),
-            model_path=config.model.path,
-            host=args.host,
-            port=args.port,
-            weight_version=args.weight_version,
-            served_model_name=args.served_model_name,
-            on_ready=announce,
+        engine = make_local_engine(model, tokenizer, config, copy_model=False)
+        model_path = config.model.path
+    else:
+        from agentrl.inference.engine import LocalEngine
+        from agentrl.inference.sglang_api import parse_weight_version
+
+        engine = LocalEngine.from_pretrained(  # ConfigError: routed experts of a dense model
+            args.model,
+            device=args.device,
+            max_batch_size=args.max_batch_size,
+            weight_version=parse_weight_version(args.weight_version),
+            return_routed_experts=args.enable_return_routed_experts,
         )
-        return 0
-    if args.overrides:  # a bad argument, one line, as argparse says it
-        print(f"agentrl serve: error: overrides need --config: {' '.join(args.overrides)}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    run_server(
-        args.model,
+        model_path = args.model
+    run_engine_server(
+        engine,
+        model_path=model_path,
         host=args.host,
         port=args.port,
-        max_batch_size=args.max_batch_size,
-        device=args.device,
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         on_ready=announce,
-        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     return 0
 

@@ -445,44 +445,6 @@ async def serve(
         logger.info("server on port %d stopped", server.port)
 
 
-def run_server(
-    model: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 30000,
-    max_batch_size: int = 64,
-    device: str | None = None,
-    weight_version: str = "default",
-    served_model_name: str | None = None,
-    on_ready: Callable[[str], None] | None = None,
-    enable_return_routed_experts: bool = False,
-) -> None:
-    """Build a :class:`LocalEngine` for ``model`` (a directory or a preset) and serve it.
-
-    Blocks until SIGINT or SIGTERM, then shuts down cleanly. ``enable_return_routed_experts``
-    lets requests ask for their routed experts (SGLang's flag; an MoE model only).
-
-    Raises:
-        ConfigError: ``enable_return_routed_experts`` for a dense model.
-    """
-    engine = LocalEngine.from_pretrained(
-        model,
-        device=device,
-        max_batch_size=max_batch_size,
-        weight_version=parse_weight_version(weight_version),
-        return_routed_experts=enable_return_routed_experts,
-    )
-    run_engine_server(
-        engine,
-        model_path=model,
-        host=host,
-        port=port,
-        weight_version=weight_version,
-        served_model_name=served_model_name,
-        on_ready=on_ready,
-    )
-
-
 def run_engine_server(
     engine: LocalEngine,
     *,
