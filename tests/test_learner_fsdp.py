@@ -163,21 +163,19 @@ def test_micro_batch_plans_agree_across_ranks_without_talking() -> None:
     """Every rank's plan has as many micro-batches (padded with empty ones), the ranks' shares
     partition the mini-batch, each micro-batch keeps to the budget and the loads balance."""
     from agentrl.learner.distributed import plan_micro_batches
-    from agentrl.learner.packing import pack_sequences
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(10, 900, (61,), generator=g).tolist()
     indices = list(range(3, 58))
-    pack = lambda ls: pack_sequences(ls, 1000)  # noqa: E731
     for world in (1, 2, 3, 4):
-        plans = [plan_micro_batches(indices, lengths, r, world, pack) for r in range(world)]
+        plans = [plan_micro_batches(indices, lengths, r, world, 1000) for r in range(world)]
         assert len({len(p) for p in plans}) == 1, [len(p) for p in plans]
         taken = [i for p in plans for m in p for i in m]
         assert sorted(taken) == indices
         assert all(sum(lengths[i] for i in m) <= 1000 for p in plans for m in p)
         loads = [sum(lengths[i] for m in p for i in m) for p in plans]
         assert max(loads) - min(loads) <= max(lengths[i] for i in indices)
-    padded = [plan_micro_batches([0, 1, 2], [900, 600, 500], r, 2, pack) for r in range(2)]
+    padded = [plan_micro_batches([0, 1, 2], [900, 600, 500], r, 2, 1000) for r in range(2)]
     assert padded == [[[0], []], [[1], [2]]]
 
 

@@ -101,7 +101,7 @@ async def test_a_version_in_two_buckets_by_handle(
 
 
 @pytest.mark.slow
-def test_serve_config_and_a_tensor_push_train_together(tmp_path) -> None:
+def test_serve_config_and_a_tensor_push_train_together(tmp_path, teacher_logprobs) -> None:
     """``agentrl serve --config`` builds the policy as ``agentrl train`` does (same weights, so
     the served version 0 is the learner's), and ``inference.weight_sync=tensor`` keeps it in
     step: after two steps it serves the learner's weights."""
@@ -143,10 +143,7 @@ def test_serve_config_and_a_tensor_push_train_together(tmp_path) -> None:
         def learners(ids: list[int]) -> list[float]:
             model = build_tiny_model(trainer.tokenizer, seed=0)
             model.load_state_dict(trainer.learner.state_dict_for_inference())
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt + ids])).logits[0].float()
-            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
-            return lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+            return teacher_logprobs(model, prompt, ids, 1.0)
 
         _, before, ids = asyncio.run(served())  # the same seeded policy on both sides
         assert max(abs(a - b) for a, b in zip(before, learners(ids), strict=True)) < TOL

@@ -5,14 +5,13 @@ group forms, as SGLang's does); each ``POST /update_weights_from_distributed`` r
 bucket of broadcast tensors (names, dtypes and shapes in the JSON body) into a staging area;
 ``POST /destroy_weights_update_group`` leaves the group. ``POST /update_weights_from_tensor``
 takes a bucket by handle instead (CUDA IPC or shared memory: a trainer on the same host). Unlike
-SGLang, which loads every bucket
-into the live model as it arrives, the engine here swaps in a version at once: buckets are
-staged until they cover every parameter, then loaded in one engine update (between decode
-steps), labelled with the ``weight_version`` the buckets carried. A version is complete at a
-bucket that carries ``weight_version`` or ``flush_cache: true`` once every parameter (one of
-each tied pair) has arrived; agentrl's sender marks only its last bucket so. A bucket with an
-unknown name or a wrong shape is refused (400) after its tensors were received, so the group
-stays in step with the trainer; the staging area is then dropped.
+SGLang, which loads every bucket into the live model as it arrives, the engine here swaps in a
+version at once: buckets are staged until they cover every parameter, then loaded in one engine
+update (between decode steps), labelled with the ``weight_version`` the buckets carried. A
+version is complete at a bucket that carries ``weight_version`` or ``flush_cache: true`` once
+every parameter (one of each tied pair) has arrived; agentrl's sender marks only its last bucket
+so. A bucket with an unknown name or a wrong shape is refused (400) after its tensors were
+received, so the group stays in step with the trainer; the staging area is then dropped.
 """
 
 from __future__ import annotations

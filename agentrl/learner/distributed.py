@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.learner.packing import pack_sequences
+
 
 def world() -> tuple[int, int]:
     """``(rank, world_size)``; ``(0, 1)`` without an initialised process group."""
@@ -166,30 +168,18 @@ def rank_shares(indices: Sequence[int], lengths: Sequence[int], world_size: int)
     return [sorted(s) for s in shares]
 
 
-def rank_share(
-    indices: Sequence[int], lengths: Sequence[int], rank: int, world_size: int
-) -> list[int]:
-    """The ``indices`` that ``rank`` trains on (its part of :func:`rank_shares`)."""
-    if world_size == 1:
-        return list(indices)
-    return rank_shares(indices, lengths, world_size)[rank]
-
-
 def plan_micro_batches(
-    indices: Sequence[int],
-    lengths: Sequence[int],
-    rank: int,
-    world_size: int,
-    pack: Callable[[list[int]], list[list[int]]],
+    indices: Sequence[int], lengths: Sequence[int], rank: int, world_size: int, budget: int
 ) -> list[list[int]]:
     """This rank's micro-batches of one mini-batch, padded with empty ones to the most any rank has.
 
     Each forward and backward of a sharded module is a collective, so every rank must run as
-    many. ``pack`` groups a list of lengths into bins of positions. Every rank computes every
-    rank's bins, so no collective (and no wait for the GPU) is needed to agree.
+    many. Micro-batches hold at most ``budget`` tokens (:func:`~agentrl.learner.packing.
+    pack_sequences`). Every rank computes every rank's bins, so no collective (and no wait for
+    the GPU) is needed to agree.
     """
     shares = rank_shares(indices, lengths, world_size) if world_size > 1 else [list(indices)]
-    bins = [pack([lengths[i] for i in share]) for share in shares]
+    bins = [pack_sequences([lengths[i] for i in share], budget) for share in shares]
     mine = [[shares[rank][j] for j in b] for b in bins[rank]]
     return mine + [[] for _ in range(max(len(b) for b in bins) - len(mine))]
 

@@ -77,7 +77,6 @@ from agentrl.learner.packing import (
     TrainSample,
     build_packed_batch,
     masked_values,
-    pack_sequences,
 )
 from agentrl.learner.routing_stats import StepRouting, check_routing_config, finish_metrics
 
@@ -282,9 +281,8 @@ class Learner(LearnerWeights):
         lengths = [len(s.tokens) for s in samples]
         minibatches = [list(range(bounds[k], bounds[k + 1])) for k in range(m)]
         budget = self.config.micro_batch_tokens
-        pack = lambda ls: pack_sequences(ls, budget)  # noqa: E731
         micro = [
-            plan_micro_batches(indices, lengths, self.rank, self.world_size, pack)
+            plan_micro_batches(indices, lengths, self.rank, self.world_size, budget)
             for indices in minibatches
         ]
         return minibatches, micro
