@@ -22,13 +22,22 @@ Reported for agentrl: loop tokens/s, the per-step wall split (waiting for rollou
 weight push, the rest), the GPU-busy fraction (``gpu_busy``: the union of every kernel's
 interval on the card, from a CUDA-only ``torch.profiler`` trace of the timed steps, over their
 wall time; ``gpu_busy_nvidia_smi``: ``nvidia-smi`` utilisation sampled every 100
-ms over the timed steps: the share of time a kernel was running), the in-process weight push
+ms over the timed steps: the share of time a kernel was running; both stop at the last timed
+step, before the run's final evaluation and checkpoint), the engine's running rows (sampled
+every 10 ms over the timed steps), the in-process weight push
 (``time/sync_s``) and response tokens whose groups finished during updates (overlap).
 
 The engine decodes every row the pipeline may start together (``--engine-rows``, default
 ``(max_staleness + 1) x tasks x group``); ``--tasks`` sets both sides' tasks a step;
 ``--count-syncs`` counts agentrl's device-to-host synchronisations in the timed steps by part
 (engine, learner) and call site (torch's sync debug mode; it slows the steps a little).
+
+``--engine process`` runs agentrl's engine in a process of its own on the same card
+(``agentrl serve --config`` with the run's config) and trains over HTTP with
+``inference.weight_sync=tensor`` (weights pushed by CUDA IPC handle), so the engine and the
+learner no longer share one interpreter's GIL. Its ``gpu_busy`` is ``nvidia-smi``'s (the
+profiler sees only its own process: ``gpu_busy_learner_process`` is that share);
+``--engine thread process`` measures both side by side.
 
 Usage: ``python benchmarks/loop_gpu.py [--workloads gpu-small qwen3-0.6b] [--steps 4]``
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import subprocess
@@ -164,6 +174,49 @@ class GpuBusy:
         return sum(self.samples) / len(self.samples) if self.samples else float("nan")
 
 
+class EngineRows:
+    """The engine's running rows, sampled every 10 ms from a thread: mean, and share of time > 0.
+
+    ``read`` returns the running-request count (the in-process engine's ``stats()``, or the
+    server's ``/v1/loads``).
+    """
+
+    def __init__(self, read: Any) -> None:
+        self.read = read
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start sampling."""
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            try:
+                self.samples.append(int(self.read()))
+            except Exception:  # noqa: BLE001 - a missed sample (server busy) is skipped
+                continue
+
+    def stop(self) -> dict[str, float]:
+        """Stop; ``mean`` running rows and ``active`` (share of samples with any)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        n = len(self.samples) or 1
+        return {"mean": sum(self.samples) / n, "active": sum(x > 0 for x in self.samples) / n,
+                "samples": len(self.samples)}  # fmt: skip
+
+
+def server_running_rows(url: str) -> int:
+    """Running requests of an ``agentrl serve`` engine (``/v1/loads``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/loads", timeout=1.0) as r:
+        return int(json.loads(r.read())["loads"][0]["num_running_reqs"])
+
+
 class SyncCount:
     """Device-to-host synchronisations by part and call site (torch's sync debug mode).
 
@@ -203,6 +256,46 @@ class SyncCount:
             self.sites[f"{part}: {f.filename.split('/agentrl/')[-1]}:{f.lineno} {f.name}"] += 1
 
 
+class EngineProcess:
+    """``agentrl serve --config`` in a process of its own: the run's engine, on the same card."""
+
+    def __init__(self, config: Any, run_dir: str) -> None:
+        from agentrl.config import dump_config
+
+        path = Path(run_dir, "serve.yaml")
+        dump_config(config, path)
+        self.log = Path(run_dir, "serve.log")
+        cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--config", str(path), "--port", "0",
+               "--log-level", "WARNING"]  # fmt: skip
+        self._out = self.log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, text=True)
+        self.url = self._wait(timeout_s=300.0)
+
+    def _wait(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.log.read_text().splitlines():
+                if "listening on " in line:
+                    return line.rsplit("listening on ", 1)[1].strip()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.close()
+        tail = "\n".join(self.log.read_text().splitlines()[-20:])
+        raise RuntimeError(f"agentrl serve did not come up (rc {self.proc.returncode}):\n{tail}")
+
+    def close(self) -> None:
+        """Stop the server."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+
 def agentrl_loop(
     name: str,
     steps: int,
@@ -211,12 +304,14 @@ def agentrl_loop(
     engine_rows: int | None = None,
     count_syncs: bool = False,
     switch_ms: float | None = None,
+    engine_process: bool = False,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
     ``engine_rows`` (default: every row the pipeline may start, ``(staleness + 1)`` steps'
     worth) caps the rows the engine decodes together; ``count_syncs`` counts the timed steps'
-    device-to-host synchronisations by call site (it slows them a little).
+    device-to-host synchronisations by call site (it slows them a little); ``engine_process``
+    serves the engine from a process of its own on the card (weights pushed by handle).
     """
     from agentrl.loop.trainer import Trainer
 
@@ -241,8 +336,34 @@ def agentrl_loop(
         "train": {"steps": steps + warmup, "tasks_per_step": w["tasks"], "eval_every": 0,
                   "max_staleness": staleness, "gil_switch_interval_ms": switch_ms},
     })  # fmt: skip
-    trainer = Trainer(config)
+    free, total = torch.cuda.mem_get_info()
+    print(
+        f"  {name}: engine {'process' if engine_process else 'thread'}, "
+        f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = None
+    if engine_process:  # its KV cache: a share of the card, leaving the learner the rest
+        served = config.inference.model_copy(update={"kv_cache_frac": 0.25})
+        server = EngineProcess(config.model_copy(update={"inference": served}), run_dir)
+    if server is not None:
+        inference = config.inference.model_copy(
+            update={"endpoints": [server.url], "weight_sync": "tensor"}
+        )
+        config = config.model_copy(update={"inference": inference})
+    try:
+        trainer = Trainer(config)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
     busy, kernels, syncs = GpuBusy(), KernelBusy(), SyncCount()
+    url = server.url if server is not None else None
+    rows_seen = EngineRows(
+        (lambda: server_running_rows(url)) if url else
+        (lambda: trainer.client.stats()["num_running_reqs"])
+    )  # fmt: skip
     marks: dict[int, float] = {}
 
     t_start = time.perf_counter()
@@ -256,14 +377,21 @@ def agentrl_loop(
             if int(rec["step"]) == warmup:
                 busy.start()
                 kernels.start()
+                rows_seen.start()
                 if count_syncs:
                     syncs.start()
+            if int(rec["step"]) == warmup + steps:  # before the run's final eval and checkpoint
+                syncs.stop()
+                seen.update(running=rows_seen.stop(), smi=busy.stop(), kernels=kernels.stop())
 
+    seen: dict[str, Any] = {}
     trainer.on_step = on_step
-    asyncio.run(trainer.run())
-    syncs.stop()
-    gpu_busy_smi = busy.stop()
-    gpu_busy = kernels.stop() if kernels._t0 else float("nan")
+    try:
+        asyncio.run(trainer.run())
+    finally:
+        if server is not None:
+            server.close()
+    running, gpu_busy_smi, gpu_busy = seen["running"], seen["smi"], seen["kernels"]
     recs = [json.loads(ln) for ln in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in recs if "perf/tokens" in r and r["step"] > warmup]
     wall = marks[warmup + steps] - marks[warmup]
@@ -279,13 +407,17 @@ def agentrl_loop(
         "tokens_per_step": tokens / steps,
         "step_s": wall / steps,
         "time_split_s": per_step,
-        "gpu_busy": gpu_busy,
+        # the profiler sees its own process only: with the engine apart, the card's figure
+        "gpu_busy": gpu_busy_smi if engine_process else gpu_busy,
         "gpu_busy_nvidia_smi": gpu_busy_smi,
+        "gpu_busy_learner_process": gpu_busy if engine_process else None,
+        "engine": "process" if engine_process else "thread",
         "weight_push_s": min(r["time/sync_s"] for r in timed),
         "overlap_tokens_per_step": sum(r.get("pipeline/overlap_tokens", 0) for r in timed) / steps,
         "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "engine_rows": rows,
+        "engine_running_rows": running,
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
         "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
@@ -358,6 +490,10 @@ def main() -> None:
     ap.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
                     help="train.gil_switch_interval_ms; several values: agentrl's loop once each, "
                          "side by side (the last one is the headline)")  # fmt: skip
+    ap.add_argument("--engine", nargs="+", default=["thread"], choices=["thread", "process"],
+                    help="agentrl's engine in the trainer's process (thread) or in an 'agentrl "
+                         "serve' process on the card (process); several: side by side, the last "
+                         "one is the headline")  # fmt: skip
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("loop_gpu.py needs a CUDA device")
@@ -367,16 +503,24 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
-        by_switch: dict[str, float] = {}
-        for switch_ms in a.switch_interval_ms:
-            ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
-                                a.count_syncs, switch_ms)  # fmt: skip
-            by_switch[str(switch_ms)] = round(ours["tokens_per_s"], 1)
-            print(f"[progress] {name}, switch interval {switch_ms} ms: "
-                  f"{ours['tokens_per_s']:,.0f} tokens/s, GPU busy {ours['gpu_busy']:.1%}",
-                  flush=True)  # fmt: skip
-            torch.cuda.empty_cache()
-        ours["tokens_per_s_by_switch_interval_ms"] = by_switch
+        runs: dict[str, dict[str, Any]] = {}
+        for engine in a.engine:
+            for switch_ms in a.switch_interval_ms:
+                ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
+                                    a.count_syncs, switch_ms, engine == "process")  # fmt: skip
+                label = f"engine {engine}, switch interval {switch_ms} ms"
+                keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
+                        "learner_tokens_per_s", "weight_push_s", "time_split_s",
+                        "engine_running_rows")  # fmt: skip
+                runs[label] = {k: ours[k] for k in keys}
+                update = ours["time_split_s"]["update"]
+                print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
+                      f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
+                      f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
+                      f"{ours['engine_running_rows']}", flush=True)  # fmt: skip
+                gc.collect()  # the trainer's cycles, then its cached blocks
+                torch.cuda.empty_cache()
+        ours["runs"] = runs
         trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
         torch.cuda.empty_cache()
         results[name] = {"agentrl": ours, "trl": trl}
@@ -390,12 +534,15 @@ def main() -> None:
             )
         print(f"    agentrl per step (s): {split}")
         print(
-            f"    GPU busy {ours['gpu_busy']:.1%} (nvidia-smi {ours['gpu_busy_nvidia_smi']:.1%})"
+            f"    GPU busy {ours['gpu_busy']:.1%} (nvidia-smi {ours['gpu_busy_nvidia_smi']:.1%},"
+            f" engine {ours['engine']})"
             f"  weight push {ours['weight_push_s'] * 1e3:.1f} ms"
             f"  learner alone {ours['learner_tokens_per_s']:,.0f} tokens/s"
             f"  overlap tokens/step {ours['overlap_tokens_per_step']:,.0f}"
         )
-        print(f"    engine rows {ours['engine_rows']}")
+        seen = ours["engine_running_rows"]
+        print(f"    engine rows {ours['engine_rows']}; running: mean {seen['mean']:.1f}, "
+              f"any {seen['active']:.1%} of {seen['samples']} samples")  # fmt: skip
         if ours["syncs_per_step"]:
             print(f"    syncs per step {ours['syncs_per_step']}")
             for site, k in ours["sync_sites_per_step"].items():
