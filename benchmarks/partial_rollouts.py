@@ -50,27 +50,28 @@ import json
 import math
 import os
 import platform
-import queue
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from contextlib import aclosing
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentrl.config import load_config
-from agentrl.env import Env, StepResult, register
-from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.loop.pipeline import Pipeline, staleness_metrics
-from agentrl.loop.trainer import Trainer
-from agentrl.types import Message, Task
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _serve import start_server, stop_server  # noqa: E402 - benchmarks/ is a folder of scripts
+
+from agentrl.config import load_config  # noqa: E402
+from agentrl.env import Env, StepResult, register  # noqa: E402
+from agentrl.inference.base import GenerateOutput, SamplingParams  # noqa: E402
+from agentrl.loop.pipeline import Pipeline, staleness_metrics  # noqa: E402
+from agentrl.loop.trainer import Trainer  # noqa: E402
+from agentrl.types import Message, Task  # noqa: E402
 
 MIN_TOKENS = 16
 ALPHA = 1.2
@@ -151,7 +152,8 @@ class WorkloadClient:
     ) -> GenerateOutput:
         """The inner client's ``generate`` for what the episode has left, counted."""
         assert session_id is not None  # the rollout engine names every episode
-        left = response_length(int(session_id.rsplit("@", 1)[1])) - self.sampled.get(session_id, 0)
+        seed = int(session_id.rsplit("@", 1)[1].split("~", 1)[0])  # <task>#<i>@<seed>~<attempt>
+        left = response_length(seed) - self.sampled.get(session_id, 0)
         params = replace(params, max_new_tokens=min(params.max_new_tokens, left))
         self._tick(+1)
         try:
@@ -169,35 +171,6 @@ class WorkloadClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    """``agentrl serve --model tiny`` on a free port; returns the process and its URL."""
-    cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", "tiny", "--port", "0"]
-    cmd += ["--torch-threads", "1", "--log-level", "WARNING"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    urls: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "listening on " in line:
-                urls.put(line.rsplit("listening on ", 1)[1].strip())
-
-    threading.Thread(target=pump, daemon=True).start()
-    url = urls.get(timeout=120)
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("agentrl serve did not become healthy")
 
 
 def make_trainer(url: str, run_dir: str, args: argparse.Namespace, staleness: int) -> Trainer:
@@ -330,7 +303,12 @@ def pooled(runs: list[dict]) -> dict:
 
 
 async def main(args: argparse.Namespace) -> None:
-    proc, url = start_server()
+    proc, url = start_server(
+        ["--model", "tiny", "--torch-threads", "1"],
+        Path(tempfile.mkdtemp(prefix="partial_rollouts_")) / "serve.log",
+        120.0,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     load = [os.getloadavg()[0]]
     runs: dict[str, list[dict]] = {}
     ratios: dict[str, list[float]] = {}
@@ -344,8 +322,7 @@ async def main(args: argparse.Namespace) -> None:
                 ratios.setdefault(r["mode"], []).append(r["tokens_per_s"] / sync["tokens_per_s"])
             load.append(os.getloadavg()[0])
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_server(proc, 30.0)
     rows = [pooled(mode_runs) for mode_runs in runs.values()]
     print(
         f"{'mode':<11} {'steps':>5} {'traj':>5} {'tokens':>7} {'wall s':>7} {'traj/min':>9} "

@@ -34,9 +34,13 @@ from typing import Any
 
 import torch
 
-from agentrl.inference.client import SGLangClient
-from agentrl.inference.weight_push import DistributedWeightPush
-from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model, build_tiny_tokenizer
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _serve import start_server, stop_server  # noqa: E402 - benchmarks/ is a folder of scripts
+
+from agentrl.inference.client import SGLangClient  # noqa: E402
+from agentrl.inference.weight_push import DistributedWeightPush  # noqa: E402
+from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
@@ -49,25 +53,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def start_server(model_dir: Path, device: str, log: Path) -> tuple[subprocess.Popen[str], str]:
-    """``agentrl serve`` on ``device``, its output going to ``log`` (a file, not a pipe: the
-    server never blocks on a reader, and its stack dumps survive a hung trainer)."""
-    cmd = [sys.executable, "-m", "agentrl.cli", "serve", "--model", str(model_dir), "--port", "0",
-           "--device", device, "--log-level", "WARNING"]  # fmt: skip
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if "listening on " in line:
-                return proc, line.rsplit("listening on ", 1)[1].strip()
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("agentrl serve did not start:\n" + log.read_text(errors="replace")[-4000:])
 
 
 async def watched(coro: Any, proc: subprocess.Popen[str], log: Path, limit_s: float) -> Any:
@@ -117,7 +102,7 @@ async def measure(
     model = model.to(here)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     server_log = Path(os.environ.get("WEIGHT_PUSH_SERVER_LOG", work / "server.log"))
-    proc, url = start_server(work / "init", there, server_log)
+    proc, url = start_server(["--model", str(work / "init"), "--device", there], server_log)
     out: dict[str, Any] = {"params": params, "bytes": sum(t.numel() * t.element_size()
                                                           for t in weights.values())}
     try:
@@ -142,8 +127,7 @@ async def measure(
                 await push.aclose()
             assert (await client.model_info())["weight_version"] == str(200 + repeats)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc)
     out.update(disk_s=statistics.median(disk), push_s=statistics.median(dist), first_push_s=first)
     out["speedup"] = out["disk_s"] / out["push_s"]
     return out

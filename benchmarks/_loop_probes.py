@@ -1,0 +1,161 @@
+"""What ``loop_gpu.py`` measures besides throughput: GPU busy (a CUDA-only kernel trace and
+``nvidia-smi``), the engine's running rows, and device-to-host synchronisations by call site."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import traceback
+import warnings
+from collections import Counter
+from typing import Any
+
+import torch
+
+
+class KernelBusy:
+    """The share of wall time at least one kernel runs: a CUDA-only profiler trace's union."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        """Start tracing kernels."""
+        torch.cuda.synchronize()
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Stop; busy time / wall time since ``start``."""
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        spans = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in self._prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        busy, end = 0.0, float("-inf")
+        for s, e in spans:  # microseconds
+            if s > end:
+                busy, end = busy + (e - s), e
+            elif e > end:
+                busy, end = busy + (e - end), e
+        return busy / 1e6 / wall if wall > 0 else float("nan")
+
+
+class GpuBusy:
+    """``nvidia-smi``'s utilisation of card 0, sampled every 100 ms between start and stop."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start sampling."""
+        cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+               "-i", "0", "-lms", "100"]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.strip().isdigit():
+                self.samples.append(float(line) / 100)
+
+    def stop(self) -> float:
+        """Stop; the mean busy fraction (nan without samples)."""
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
+
+
+class EngineRows:
+    """The engine's running rows, sampled every 10 ms from a thread: mean, and share of time > 0.
+
+    ``read`` returns the running-request count (the in-process engine's ``stats()``, or the
+    server's ``/v1/loads``).
+    """
+
+    def __init__(self, read: Any) -> None:
+        self.read = read
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start sampling."""
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            try:
+                self.samples.append(int(self.read()))
+            except Exception:  # noqa: BLE001 - a missed sample (server busy) is skipped
+                continue
+
+    def stop(self) -> dict[str, float]:
+        """Stop; ``mean`` running rows and ``active`` (share of samples with any)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        n = len(self.samples) or 1
+        return {"mean": sum(self.samples) / n, "active": sum(x > 0 for x in self.samples) / n,
+                "samples": len(self.samples)}  # fmt: skip
+
+
+def server_running_rows(url: str) -> int:
+    """Running requests of an ``agentrl serve`` engine (``/v1/loads``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/loads", timeout=1.0) as r:
+        return int(json.loads(r.read())["loads"][0]["num_running_reqs"])
+
+
+class SyncCount:
+    """Device-to-host synchronisations by part and call site (torch's sync debug mode).
+
+    Every synchronising op (``.item()``, ``.tolist()``, a blocking copy to the host, ...) warns;
+    the warning's Python stack names the part (``learner``: ``agentrl/learner`` or
+    ``agentrl/kernels`` on the stack, ``engine``: ``agentrl/inference``) and the innermost
+    agentrl line. Explicit ``synchronize()`` calls are not counted.
+    """
+
+    def __init__(self) -> None:
+        self.parts: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()
+        self._show = warnings.showwarning
+
+    def start(self) -> None:
+        """Count from now on."""
+        warnings.filterwarnings("always", message=".*synchroniz")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        """Stop counting."""
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._show
+
+    def _record(self, message: Any, category: Any, filename: str, lineno: int, *a: Any) -> None:
+        if "synchroniz" not in str(message):
+            self._show(message, category, filename, lineno, *a)
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if "/agentrl/" in f.filename]
+        files = " ".join(f.filename for f in ours)
+        part = ("learner" if "/learner/" in files or "/kernels/" in files else
+                "engine" if "/inference/" in files else "other")  # fmt: skip
+        self.parts[part] += 1
+        if ours:
+            f = ours[-1]
+            self.sites[f"{part}: {f.filename.split('/agentrl/')[-1]}:{f.lineno} {f.name}"] += 1
