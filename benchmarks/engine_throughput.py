@@ -146,12 +146,13 @@ async def multi_turn(
 
 
 def learner_mismatch(
-    model: Any, finals: list[list[int]], outs: list[list[Any]]
+    model: Any, finals: list[list[int]], outs: list[list[Any]], exact: bool = False
 ) -> tuple[float, list[float], list[float]]:
     """Max |engine - learner| log-prob: overall, per turn, per output position (buckets of 16).
 
     The learner is ``LogprobModel`` with the packed body under bf16 autocast and a bf16 head,
-    on the same float32 weights, over each episode's last input plus its last output.
+    on the same float32 weights, over each episode's last input plus its last output
+    (``exact``: the packed body and head in the exact mode, ``batch_invariant``).
     """
     from agentrl.kernels.packed_body import PackedBody
     from agentrl.learner.logprobs import LogprobModel
@@ -162,7 +163,7 @@ def learner_mismatch(
         chunk_size=1024,
         autocast_dtype=torch.bfloat16,
         head_dtype=torch.bfloat16,
-        body=PackedBody(model),
+        body=PackedBody(model, batch_invariant=exact),
     )
     device = next(model.parameters()).device
     per_turn = [0.0] * len(outs[0])
@@ -278,13 +279,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     else:
         await engine.aclose()
+    exact: dict[str, Any] = {}
+    if args.batch_invariant:  # the exact mode side by side: its speed and its mismatch
+        inv = LocalEngine(
+            engine_model, tokenizer, max_batch_size=max(levels), seed=0,
+            **(kw | {"batch_invariant": True, "emulate_precision_casts": False}),
+        )  # fmt: skip
+        await bench_engine(inv, prompts(2, args.prompt_len, vocab, 99), 4, device)
+        for level in levels:
+            batch = prompts(level, args.prompt_len, vocab, 2 + level)
+            await bench_engine(inv, batch, 2, device)
+            tps, _ = await bench_engine(inv, batch, args.new_tokens, device)
+            exact[f"exact_engine_{level}_tokens_per_s"] = round(tps, 1)
+            exact[f"exact_speed_vs_default_{level}"] = round(tps / rows[level], 3)
+        if args.turns:
+            _, finals, outs_mt = await multi_turn(inv, args, vocab)
+            worst, per_turn, _ = learner_mismatch(model, finals, outs_mt, exact=True)
+            exact["exact_logprob_max_abs_diff_vs_learner"] = worst
+            exact["exact_logprob_diff_vs_learner_per_turn"] = per_turn
+        await inv.aclose()
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else cpu_name()
     print(f"\nLocalEngine throughput ({args.model}, {device}: {machine})")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per request\n")
     print(f"{'setup':<34}{'tokens/s':>12}{'vs sequential':>16}")
     print(f"{'sequential model.generate':<34}{hf_tps:>12.1f}{1.0:>15.2f}x")
-    for key, value in turns.items():
-        print(f"multi-turn {key}: {value}")
+    for key, value in (turns | exact).items():
+        print(f"multi-turn {key}: {value}" if key in turns else f"{key}: {value}")
     for level, tps in rows.items():
         print(f"{f'LocalEngine, {level} concurrent':<34}{tps:>12.1f}{tps / hf_tps:>15.2f}x")
     for k, by_level in compare.items():
@@ -308,6 +328,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "emulate_precision_casts": kw["emulate_precision_casts"],
         "decode_steps_compare": compare,
         **turns,
+        **exact,
     }
     if 64 in rows and hf_tps == hf_tps:
         result["batching_speedup_64"] = round(rows[64] / hf_tps, 2)
@@ -330,6 +351,12 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64, help="multi-turn episodes at once")
     parser.add_argument("--compile", action="store_true", help="torch.compile the engine layers")
     parser.add_argument("--paged", action="store_true", help="the paged path on CPU too")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run the exact mode (CUDA): its tokens/s per level and its multi-turn "
+        "log-prob gap to the exact learner (expected 0)",
+    )
     parser.add_argument(
         "--decode-steps",
         default="",

@@ -82,6 +82,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         FAST, selective_recompute=True, micro_batch_tokens=16384, compile_tuning=True
     ),
     "packed+bf16head+compile+ckpt": dict(FAST, gradient_checkpointing=True),
+    # the exact mode: batch-invariant kernels, uncompiled (compare with packed+bf16head)
+    "packed+bf16head+exact": dict(body="packed", head_dtype="bfloat16", batch_invariant=True),
     "packed+bf16head+compile+ckpt-half": dict(FAST, checkpoint_layers=-2),
 }
 HEADLINE = "packed+bf16head+compile"

@@ -12,24 +12,23 @@ Design:
   leave at the next step. The batch's KV cache is one left-padded ``DynamicCache``; each row has
   its own position ids (its count of real tokens) and the 2D attention mask hides the padding,
   so a row computes what it would compute alone, to float tolerance.
-- **SGLang's log-prob convention.** A sampled token's log-prob is
-  ``log_softmax(logits / temperature)`` over the full vocabulary, not renormalised by
-  top-p/top-k; greedy (temperature 0) returns plain ``log_softmax(logits)``. Outputs include the
-  matched stop token, as SGLang's do.
+- **SGLang's log-prob convention.** ``log_softmax(logits / temperature)`` over the whole
+  vocabulary (no top-p/top-k renormalisation; greedy: plain ``log_softmax``); outputs include
+  the matched stop token.
 - **Versions.** Every token records the weight version that sampled it. A weight update takes
   the model lock between steps: with generation paused ("retract" or "in_place") it applies at
   once and the open requests continue on the new weights after ``resume``; otherwise it first
   drains the running batch (SGLang's behaviour). "retract" recomputes a request's KV cache with
   the weights loaded at resume time; "in_place" keeps the cache the old weights computed.
-- **Aborts keep the last token.** An abort (or ``pause("abort")``) that lands while a step is
-  being computed takes effect when that step is applied, so the request returns the token it
-  sampled there, with its log-prob and version, as SGLang's do; nothing sampled is wasted.
+- **Aborts keep the last token.** An abort (or ``pause("abort")``) during a step takes effect
+  when the step is applied: the request returns the token sampled there, as SGLang's do.
 - **Batched resumes.** After ``resume`` the first step waits briefly until requests stop
   arriving, so the requests re-sent after a weight update are prefilled in one forward.
 - **Routing records** of MoE models, per request: :mod:`~agentrl.inference.routing_records`.
 - **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
   reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
-  ``kv_cache.py``, ``sampling.py``). Elsewhere (or ``paged=False``) transformers' forward over a
+  ``kv_cache.py``, ``sampling.py``); its exact mode (``batch_invariant``) returns the learner's
+  exact-mode log-probs bit for bit. Elsewhere (or ``paged=False``) transformers' forward over a
   left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from teacher forcing).
 """
 
@@ -63,10 +62,8 @@ logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
-RESUME_SETTLE_S = 0.002
-"""After ``resume``: the first step waits until no request arrived for this long ..."""
-RESUME_SETTLE_MAX_S = 0.05
-"""... or this long in all."""
+RESUME_SETTLE_S = 0.002  # after resume, the first step waits until no request arrived for
+RESUME_SETTLE_MAX_S = 0.05  # this long, or this long in all
 
 
 class LocalEngine:
@@ -74,10 +71,8 @@ class LocalEngine:
 
     Implements :class:`~agentrl.inference.base.InferenceClient`, plus the control surface of
     SGLang's server (``pause``/``resume``, weight updates from disk or a state dict,
-    ``prompt_logprobs`` for scoring). Call it from one event loop at a time.
-
-    The engine owns ``model``: it puts it in eval mode and loads new weights into it, so give it
-    its own copy rather than the learner's module.
+    ``prompt_logprobs`` for scoring). Call it from one event loop at a time. The engine owns
+    ``model`` (eval mode, new weights loaded into it): give it its own copy.
 
     Args:
         model: a transformers causal LM whose KV cache layers are full attention.
@@ -92,7 +87,8 @@ class LocalEngine:
             ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
             free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``,
             ``prefix_cache``, ``decode_steps`` (8 on CUDA, else 1), ``emulate_precision_casts``
-            (compiled layers keep eager's bf16 roundings), are ``build_paged``'s.
+            (compiled layers keep eager's bf16 roundings), ``batch_invariant`` (exact mode),
+            are ``build_paged``'s.
         return_routed_experts: record the experts of requests that ask for them (SGLang's
             ``--enable-return-routed-experts``); default: on for an MoE model off the paged path.
     """
@@ -118,6 +114,7 @@ class LocalEngine:
         prefix_cache: bool = True,
         decode_steps: int | None = None,
         emulate_precision_casts: bool = False,
+        batch_invariant: bool = False,
         return_routed_experts: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
@@ -148,8 +145,12 @@ class LocalEngine:
             opts |= dict(page_size=page_size, compute_dtype=compute_dtype)
             opts |= dict(compile=cuda if compile is None else compile, prefix_cache=prefix_cache)
             opts |= dict(cuda_graphs=cuda_graphs, emulate_precision_casts=emulate_precision_casts)
-            opts["decode_steps"] = decode_steps or (8 if cuda else 1)
+            opts |= dict(
+                batch_invariant=batch_invariant, decode_steps=decode_steps or (8 * cuda or 1)
+            )
             self._paged, self._batcher = build_paged(model, random.Random(seed), **opts, **batching)
+        elif batch_invariant:
+            raise ValueError("batch_invariant: needs the paged engine (a dense model on CUDA)")
         else:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._batcher = Batcher(self._runner, generator, **batching)

@@ -32,7 +32,7 @@ from agentrl.errors import ServerError
 from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
 from agentrl.inference.paged_runner import PagedRunner
-from agentrl.inference.sampling import row_keys, sample
+from agentrl.inference.sampling import row_keys
 from agentrl.kernels.transfer import device_context
 
 DEFAULT_KV_CACHE_FRAC = 0.5
@@ -253,7 +253,7 @@ class PagedBatcher(Batcher):
             if plan.decode:
                 logits, out = runner.decode(meta[:, : len(plan.decode)])
                 if any(r.params.truncates for r in plan.decode):  # the graph does not truncate
-                    out = _sample(logits, meta[:, : len(plan.decode)], plan.decode)
+                    out = _sample(runner, logits, meta[:, : len(plan.decode)], plan.decode)
                 sampled.append(out)
             if plan.admit:
                 seqs = [r.prompt + r.output_ids for r in plan.admit]
@@ -263,7 +263,7 @@ class PagedBatcher(Batcher):
                     seqs,
                     [r.pages for r in plan.admit],
                 )
-                sampled.append(_sample(logits, meta[:, len(plan.decode) :], plan.admit))
+                sampled.append(_sample(runner, logits, meta[:, len(plan.decode) :], plan.admit))
             for req in plan.decode:
                 req.kv_len += 1
             for req in plan.admit:
@@ -296,7 +296,9 @@ def step_meta(reqs: list[Request], n_decode: int, page_size: int) -> torch.Tenso
     return torch.cat([meta[:4], sampling, meta[4:6]])
 
 
-def _sample(logits: torch.Tensor, meta: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _sample(
+    runner: PagedRunner, logits: torch.Tensor, meta: torch.Tensor, reqs: list[Request]
+) -> torch.Tensor:
     """Sample ``logits`` eagerly with the sampling rows of ``meta``: ``(2, B)`` float64."""
     m = meta[4:7].to(logits.device)
     inv_t = m[1].to(torch.int32).view(torch.float32)
@@ -306,7 +308,7 @@ def _sample(logits: torch.Tensor, meta: torch.Tensor, reqs: list[Request]) -> to
         top_p = torch.tensor(
             [r.params.top_p for r in reqs], dtype=torch.float32, device=logits.device
         )
-    tokens, logprobs = sample(logits, inv_t, m[2].bool(), m[0], top_k, top_p)
+    tokens, logprobs = runner.sample(logits, inv_t, m[2].bool(), m[0], top_k, top_p)
     return torch.stack([tokens.double(), logprobs.double()])
 
 
@@ -325,6 +327,7 @@ def build_paged(
     decode_steps: int = 1,
     max_model_len: int,
     emulate_precision_casts: bool = False,
+    batch_invariant: bool = False,
     **kwargs: Any,
 ) -> tuple[PagedRunner, PagedBatcher]:
     """The paged runner (KV cache sized by the budget) and its batcher, for ``LocalEngine``.
@@ -343,6 +346,8 @@ def build_paged(
         compile: ``torch.compile`` the layer functions (~1.7x decode throughput on an H100).
         emulate_precision_casts: compiled layers keep eager's bf16 roundings between fused
             ops, as the (eager) learner rounds (:class:`PagedRunner`).
+        batch_invariant: the exact mode (:class:`PagedRunner`): log-probs equal to the
+            learner's exact mode bit for bit.
         prefix_cache: reuse cached prefixes across requests and turns.
         decode_steps: most decode steps run back to back when nothing can join.
         max_batch_size: most sequences decoded together.
@@ -376,6 +381,7 @@ def build_paged(
         cuda_graphs=cuda_graphs,
         compile=compile,
         emulate_precision_casts=emulate_precision_casts,
+        batch_invariant=batch_invariant,
     )
     batcher = PagedBatcher(
         runner,

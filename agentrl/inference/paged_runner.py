@@ -25,66 +25,25 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from agentrl.inference.kv_cache import PagedKVCache
-from agentrl.inference.paged_attention import QueryBlocks, paged_attention, tile_rows
 from agentrl.inference.sampling import row_keys, sample
+from agentrl.kernels import invariant
+from agentrl.kernels.fused_layer import _rms_norm, layer_post, layer_pre
 from agentrl.kernels.matmul import mm32
-from agentrl.kernels.packed_body import _rms_norm, _rotate_half, unsupported_reason
+from agentrl.kernels.packed_body import unsupported_reason
+from agentrl.kernels.paged_attention import QueryBlocks, paged_attention, tile_rows
 
 PREFILL_TOKENS_PER_BLOCK = 32
 DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy", "seeds", "counts")
 """Rows of a decode step's metadata, one int64 column per sequence (one host-to-device copy);
 ``seeds`` and ``counts`` (tokens sampled so far) let a step derive the next step's keys."""
 _ONE_BITS = int(torch.tensor(1.0).view(torch.int32))  # float32 1.0 as int bits (padded rows)
-
-
-def _pre(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    ln: torch.Tensor,
-    w_qkv: torch.Tensor,
-    b_qkv: torch.Tensor | None,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    sizes: tuple[int, int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """packed_body's ``_pre_attention`` with a pre-fused, pre-cast q/k/v weight."""
-    hq, hkv, hd = sizes
-    h = _rms_norm(x, ln, eps)
-    qkv = F.linear(h.to(w_qkv.dtype), w_qkv, b_qkv)
-    q, k, v = qkv.split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-    n = x.shape[0]
-    q, k, v = q.reshape(n, hq, hd), k.reshape(n, hkv, hd), v.reshape(n, hkv, hd)
-    if q_norm is not None and k_norm is not None:
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
-    c, s = cos[:, None, :], sin[:, None, :]
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
-    return q.to(v.dtype), k.to(v.dtype), v
-
-
-def _post(
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    w_o: torch.Tensor,
-    b_o: torch.Tensor | None,
-    ln: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """packed_body's ``_post_attention`` with a pre-fused, pre-cast gate/up weight."""
-    x = x + F.linear(attn.flatten(1), w_o, b_o)
-    h = _rms_norm(x, ln, eps)
-    gate, up = F.linear(h.to(w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
 
 
 class PagedRunner:
@@ -106,6 +65,10 @@ class PagedRunner:
             the eager learner rounds twice (one layer on a CPU: 9.7e-3 from the learner's
             log-probs, 1e-6 with it on); fused float32 reductions still round now and then
             differently from eager ones.
+        batch_invariant: the exact mode (:mod:`agentrl.kernels.invariant`): matmuls, norms,
+            attention tiles and the sampled tokens' log-probs through batch-invariant kernels,
+            so a token's log-prob equals, bit for bit, what the learner's exact mode computes
+            for it (CUDA, bf16 or fp16 ``compute_dtype``). Layers run uncompiled.
     """
 
     def __init__(
@@ -120,10 +83,12 @@ class PagedRunner:
         cuda_graphs: bool = True,
         compile: bool = False,
         emulate_precision_casts: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"model: the paged engine does not support {reason}")
+        self.exact = batch_invariant
         cfg: Any = model.config
         self.model = model
         self.base: Any = model.base_model
@@ -158,12 +123,24 @@ class PagedRunner:
             probe = torch.zeros(1, dtype=self.base.embed_tokens.weight.dtype, device=self.device)
             cos, sin = self.base.rotary_emb(probe, pos)
         self.cos, self.sin = cos[0], sin[0]
-        self._pre: Any = _pre
-        self._post: Any = _post
-        if compile:
+        self._pre: Any = layer_pre
+        self._post: Any = layer_post
+        self.prefill_tokens = PREFILL_TOKENS_PER_BLOCK
+        self._tile: Callable[[int], int] = partial(tile_rows, self.group)  # tokens -> tile rows
+        if batch_invariant:
+            why = invariant.available(self.device)
+            if why is None and self.dtype not in (torch.bfloat16, torch.float16):
+                why = f"its compute dtype must be bfloat16 or float16, not {self.dtype}"
+            if why is not None:
+                raise ValueError(f"batch_invariant: {why}")
+            rows, self.prefill_tokens = invariant.tiles(self.group)
+            self._tile = lambda tokens: rows
+            self._pre = partial(layer_pre, exact=True)
+            self._post = partial(layer_post, exact=True)
+        elif compile:
             options: dict[str, Any] = {"emulate_precision_casts": emulate_precision_casts}
-            self._pre = torch.compile(_pre, dynamic=True, options=options)
-            self._post = torch.compile(_post, dynamic=True, options=options)
+            self._pre = torch.compile(layer_pre, dynamic=True, options=options)
+            self._post = torch.compile(layer_post, dynamic=True, options=options)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
         self.buckets.append(max_batch_size)
@@ -229,7 +206,7 @@ class PagedRunner:
         blocks: QueryBlocks,
     ) -> torch.Tensor:
         """Final-norm hidden states ``(N, H)`` of packed tokens; writes their KV at ``slots``."""
-        x = F.embedding(ids, self.base.embed_tokens.weight)
+        x = torch.nn.functional.embedding(ids, self.base.embed_tokens.weight)
         cos, sin = self.cos[pos], self.sin[pos]
         scale = self.sizes[2] ** -0.5
         for i, (pre, post) in enumerate(self._weights):
@@ -247,13 +224,37 @@ class PagedRunner:
                 scale=scale,
             )
             x = self._post(x, attn, *post)
-        return _rms_norm(x, self.base.norm.weight, self.eps)
+        norm = invariant.rms_norm if self.exact else _rms_norm
+        return norm(x, self.base.norm.weight, self.eps)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        logits = mm32(hidden.to(self._head.dtype), self._head.t())  # (B, V) float32
+        h = hidden.to(self._head.dtype)
+        if self.exact:
+            logits = invariant.matmul(h, self._head, out_dtype=torch.float32)
+        else:
+            logits = mm32(h, self._head.t())  # (B, V) float32
         bias = self.model.get_output_embeddings().bias
         return logits if bias is None else logits + bias.float()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        inv_t: torch.Tensor,
+        greedy: torch.Tensor,
+        keys: torch.Tensor,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~agentrl.inference.sampling.sample` (exact mode: exact log-probs).
+
+        In the exact mode the log-probs come from
+        :func:`~agentrl.kernels.invariant.token_logprobs`, as the learner's do.
+        """
+        tokens, logprobs = sample(logits, inv_t, greedy, keys, top_k, top_p)
+        if self.exact:
+            logprobs = invariant.token_logprobs(logits, inv_t, tokens)[0]
+        return tokens, logprobs
 
     def prefill(
         self, rows: list[int], starts: list[int], tokens: list[list[int]], pages: list[list[int]]
@@ -270,7 +271,7 @@ class PagedRunner:
         pos: list[int] = []
         slots: list[int] = []
         qb_row, qb_tok, qb_n, last = [], [], [], []
-        per = PREFILL_TOKENS_PER_BLOCK
+        per = self.prefill_tokens
         for row, start, toks, pgs in zip(rows, starts, tokens, pages, strict=True):
             first = len(ids)
             ids += toks[start:]
@@ -284,7 +285,7 @@ class PagedRunner:
             last.append(len(ids) - 1)
         meta = torch.tensor([ids, pos, slots], dtype=torch.int64).to(self.device)
         qbs = torch.tensor([qb_row, qb_tok, qb_n], dtype=torch.int64).to(self.device)
-        blocks = QueryBlocks(qbs[0], qbs[1], qbs[2], tile_rows(self.group, per))
+        blocks = QueryBlocks(qbs[0], qbs[1], qbs[2], self._tile(per))
         hidden = self._forward(meta[0], meta[1], meta[2], blocks)
         return self._logits(hidden[torch.tensor(last, device=self.device)])
 
@@ -293,10 +294,10 @@ class PagedRunner:
         assert self._static is not None
         ids, pos, slots, rows, keys, inv_t, greedy = self._static[:7, :n]
         arange = torch.arange(n, device=self.device)
-        blocks = QueryBlocks(rows, arange, torch.ones_like(arange), tile_rows(self.group, 1))
+        blocks = QueryBlocks(rows, arange, torch.ones_like(arange), self._tile(1))
         logits = self._logits(self._forward(ids, pos, slots, blocks))
         inv_t = inv_t.to(torch.int32).view(torch.float32)  # float32 bits, carried as int64
-        tokens, logprobs = sample(logits, inv_t, greedy.bool(), keys)
+        tokens, logprobs = self.sample(logits, inv_t, greedy.bool(), keys)
         self._advance(n, tokens)
         return logits, torch.stack([tokens.double(), logprobs.double()])
 
@@ -312,9 +313,7 @@ class PagedRunner:
         nxt = pos + 1
         col = torch.clamp(nxt // self.page_size, max=self.block_table.shape[1] - 1)
         slot = self.block_table[rows, col].long() * self.page_size + nxt % self.page_size
-        fresh = torch.stack(
-            [tokens.long(), nxt, slot, row_keys(seeds, counts + 1), counts + 1]
-        )
+        fresh = torch.stack([tokens.long(), nxt, slot, row_keys(seeds, counts + 1), counts + 1])
         old = torch.stack([ids, pos, slots, keys, counts])
         new = torch.where(real, fresh, old)
         for i, j in enumerate((0, 1, 2, 4, 8)):

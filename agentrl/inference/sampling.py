@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.inference.paged_attention import HAS_TRITON
+from agentrl.kernels.paged_attention import HAS_TRITON
 
 _M32 = 0xFFFFFFFF
 

@@ -91,4 +91,3 @@ def load_named_tensors(entry: str) -> list[tuple[str, torch.Tensor]]:
     ):  # fmt: skip
         raise ValueError("expected a list of (name, tensor) pairs")
     return items
-

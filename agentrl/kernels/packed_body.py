@@ -48,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from agentrl.kernels import invariant
+from agentrl.kernels.fused_layer import _rms_norm, _rotate_half, exact_layer
 from agentrl.kernels.moe import is_sparse, moe_mlp, moe_unsupported_reason, selective_moe_mlp
 from agentrl.kernels.recompute import recompute_selectively, selective_context
 from agentrl.kernels.transfer import to_device
@@ -81,18 +83,6 @@ def unsupported_reason(model: nn.Module, *, moe: bool = False) -> str | None:
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
     return moe_unsupported_reason(model) if name in _MOE_ARCHITECTURES else None
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' RMSNorm: normalise in float32, cast back, then scale (which promotes)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _pre_attention(
@@ -221,6 +211,11 @@ class PackedBody:
         attention: ``"varlen"`` (FlashAttention-2, CUDA), ``"triton"`` (this project's Triton
             kernel, :mod:`agentrl.kernels.attention`; CUDA with Triton), ``"sdpa"`` (one call per
             sequence) or ``"auto"`` (varlen on CUDA, sdpa elsewhere).
+        batch_invariant: the exact mode (:mod:`agentrl.kernels.invariant`): every layer and the
+            final norm run through batch-invariant kernels, the paged engine's attention kernel
+            included, so the log-probs equal the exact-mode engine's bit for bit. Dense models
+            on CUDA; layers run uncompiled (``compile``, ``selective`` and ``attention`` do not
+            apply), ``checkpoint_layers`` still does.
     """
 
     def __init__(
@@ -232,10 +227,12 @@ class PackedBody:
         attention: str = "auto",
         selective: bool = False,
         tuned: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         reason = unsupported_reason(model, moe=True)
         if reason is not None:
             raise ValueError(f"model: the packed body does not support {reason}")
+        self.exact = batch_invariant
         if attention not in ("auto", "varlen", "triton", "sdpa"):
             raise ValueError(f"attention: expected auto, varlen, triton or sdpa, got {attention!r}")
         self.model = model
@@ -260,6 +257,8 @@ class PackedBody:
         self._varlen_layer: Callable[..., Any] = layer_fn
         # MoE layers: two graphs around the model's router module, which runs eagerly
         self._sparse = [is_sparse(layer.mlp) for layer in base.layers]
+        if batch_invariant and any(self._sparse):
+            raise ValueError("batch_invariant: dense models only (this one has expert layers)")
         self._out: Callable[..., Any] = _attention_out
         self._half: Callable[..., Any] = _selective_varlen_half if selective else _varlen_half
         self._experts: Callable[..., Any] = selective_moe_mlp if selective else moe_mlp
@@ -374,6 +373,8 @@ class PackedBody:
         lengths: list[int],
     ) -> torch.Tensor:
         pre, post = self._weights(i)
+        if self.exact:
+            return exact_layer(x, cos, sin, cu, lengths, pre, post)
         if self.attention in ("varlen", "triton") or (self.attention == "auto" and x.is_cuda):
             if self._varlen is None and self.attention == "triton":
                 self._varlen = {"kernel": "triton"}  # shares KV heads itself
@@ -475,4 +476,5 @@ class PackedBody:
         cos, sin = cos[0], sin[0]
         for call in self._calls:
             x = call(x, cos, sin, cu, lengths)
-        return _rms_norm(x, self.base.norm.weight, self.eps)
+        norm = invariant.rms_norm if self.exact else _rms_norm
+        return norm(x, self.base.norm.weight, self.eps)

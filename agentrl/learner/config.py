@@ -72,6 +72,14 @@ class LearnerConfig(BaseModel):
     """Packed body on CUDA: FlashAttention-2 (torch's varlen attention) or this project's
     Triton kernel (:mod:`agentrl.kernels.attention`: about 1.3x faster forward + backward on an
     H100 for GQA heads of 128; needs Triton)."""
+    batch_invariant: bool = False
+    """The exact mode (:mod:`agentrl.kernels.invariant`): the packed body and the head run
+    batch-invariant kernels (one reduction order whatever the batch), and so does the embedded
+    engine, so the log-prob the engine returns for a token equals the learner's bit for bit on
+    the same weights (``mismatch/numeric_*`` is 0). CUDA, dense models, the packed body, a bf16
+    ``dtype``; ``compile`` and ``attention_kernel`` do not apply to it. Costs speed on both
+    sides (``benchmarks/engine_throughput.py --batch-invariant``). Remote SGLang servers are
+    not affected."""
     head_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Input dtype of the head matmuls (accumulation, logits and log-softmax stay float32);
     ``auto`` follows ``dtype``."""
@@ -130,6 +138,11 @@ class LearnerConfig(BaseModel):
             raise ValueError(
                 "fsdp_gather_dtype: 'bfloat16' applies to the blocks' own units; with "
                 "fsdp_unit='model' the one unit holds the float32 head too (use 'float32')"
+            )
+        if self.batch_invariant and (self.dtype != "bfloat16" or self.body == "transformers"):
+            raise ValueError(
+                "batch_invariant: needs dtype='bfloat16' and the packed body, got "
+                f"dtype={self.dtype!r}, body={self.body!r}"
             )
         if self.tis is not None and not self.recompute_old_logprobs:
             raise ValueError(

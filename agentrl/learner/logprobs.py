@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from agentrl.kernels import head as head_kernels
+from agentrl.kernels import invariant
 from agentrl.kernels.matmul import addmm32_, mm32
 from agentrl.kernels.packed_body import PackedBody
 from agentrl.learner.packing import PackedBatch
@@ -93,6 +94,7 @@ class _HeadLogprobs(torch.autograd.Function):
         chunk_size: int,
         head_dtype: torch.dtype,
         fused: bool | str,
+        exact: bool,
     ) -> torch.Tensor:
         h_lo, w_lo = hidden.to(head_dtype), weight.to(head_dtype)
         b32 = None if bias is None else bias.float()
@@ -101,6 +103,12 @@ class _HeadLogprobs(torch.autograd.Function):
         lse = torch.empty_like(out)
         for s in range(0, n, chunk_size):
             e = s + chunk_size
+            if exact:  # the exact-mode engine's head, bit for bit
+                logits = invariant.matmul(h_lo[s:e], w_lo, out_dtype=torch.float32)
+                logits = logits if b32 is None else logits + b32
+                inv = torch.full((logits.shape[0],), inv_t, device=logits.device)
+                out[s:e], lse[s:e] = invariant.token_logprobs(logits, inv, targets[s:e])
+                continue
             logits = _logits(h_lo[s:e], w_lo, b32)  # (c, V) float32
             if fused:
                 lse_fn = _fused("fwd", fused == "tuned")
@@ -163,6 +171,7 @@ class _HeadLogprobs(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -176,6 +185,7 @@ def chunked_token_logprobs(
     chunk_size: int = 1024,
     head_dtype: torch.dtype = torch.float32,
     fused: bool | str = False,
+    exact: bool = False,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T / T)[target]`` per token, ``chunk_size`` tokens at a time.
 
@@ -191,6 +201,8 @@ def chunked_token_logprobs(
         fused: run the per-chunk log-softmax and its gradient as ``torch.compile``d kernels
             (one pass over the float32 logits instead of several; needs a compiler backend);
             ``"tuned"`` also tunes their block sizes (coordinate descent).
+        exact: the forward through :mod:`agentrl.kernels.invariant`'s batch-invariant head
+            (the exact-mode engine's, bit for bit; CUDA, low-precision ``head_dtype``).
 
     Returns:
         ``(n,)`` float32 log-probs, differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
@@ -202,7 +214,7 @@ def chunked_token_logprobs(
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     with torch.autocast(hidden.device.type, enabled=False):
         out = _HeadLogprobs.apply(
-            hidden, weight, bias, targets, inv_t, chunk_size, head_dtype, fused
+            hidden, weight, bias, targets, inv_t, chunk_size, head_dtype, fused, exact
         )
     return out
 
@@ -225,6 +237,8 @@ class LogprobModel(nn.Module):
             ``"tuned"`` also tunes the kernels.
         body: a :class:`~agentrl.kernels.packed_body.PackedBody` over ``model`` to run instead of
             transformers' forward (it reads ``lengths`` instead of a mask).
+
+    With a ``body`` built with ``batch_invariant=True``, the head runs the exact mode too.
     """
 
     def __init__(
@@ -298,5 +312,6 @@ class LogprobModel(nn.Module):
             chunk_size=self.chunk_size,
             head_dtype=self.head_dtype,
             fused=self.fused_head,
+            exact=self.body is not None and self.body.exact,
         )
         return logprobs, zero

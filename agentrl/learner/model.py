@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from agentrl.errors import ConfigError
+from agentrl.kernels import invariant
 from agentrl.kernels.packed_body import PackedBody, unsupported_reason
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.logprobs import LogprobModel
@@ -52,14 +53,19 @@ def wrap_model(
             if device.type != "cuda" or importlib.util.find_spec("triton") is None:
                 raise ConfigError("attention_kernel: 'triton' needs CUDA and Triton")
             attention = "triton"
+        if c.batch_invariant and (why := invariant.available(device)) is not None:
+            raise ConfigError(f"batch_invariant: {why}")
         body = PackedBody(
             model,
+            batch_invariant=c.batch_invariant,
             attention=attention,
             compile=c.compile,
             checkpoint_layers=layers,
             selective=c.selective_recompute,
             tuned=c.compile_tuning,
         )
+    if c.batch_invariant and body is None:
+        raise ConfigError("batch_invariant: needs the packed body (body='packed' on CUDA)")
     return LogprobModel(
         model,
         temperature=c.temperature,

@@ -188,6 +188,8 @@ def make_local_engine(
         kwargs["max_batch_size"] = rows
     # a copy made on the card (no host round trip), in the policy's dtype (the learner keeps
     # float32 master weights)
+    if config.learner.batch_invariant:  # the engine computes what the exact learner does
+        kwargs.update(batch_invariant=True, compute_dtype=torch.bfloat16)
     own = copy.deepcopy(model) if copy_model else model
     return LocalEngine(own, tokenizer, device=device, dtype=dtype, **kwargs)
 

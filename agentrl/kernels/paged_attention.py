@@ -51,6 +51,7 @@ if HAS_TRITON:
         K,
         V,
         Out,
+        Lse,
         BT,
         QB_ROW,
         QB_TOK,
@@ -64,12 +65,14 @@ if HAS_TRITON:
         stride_ot,
         stride_oh,
         stride_bt,
+        stride_lse,
         G: tl.constexpr,
         D: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
+        HAS_LSE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -122,6 +125,9 @@ if HAS_TRITON:
             out.to(Out.dtype.element_ty),
             mask=valid[:, None],
         )
+        if HAS_LSE:  # natural-log normaliser per (head, token), for a backward pass
+            lse = (m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453
+            tl.store(Lse + head * stride_lse + tok, lse, mask=valid)
 
 
 def paged_attention(
@@ -134,6 +140,7 @@ def paged_attention(
     *,
     page_size: int,
     scale: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``(N, Hq, D)`` in ``q``'s dtype; see the module docstring.
 
@@ -146,6 +153,8 @@ def paged_attention(
         q_pos: ``(N,)`` position of each query token in its sequence.
         page_size: tokens per page.
         scale: softmax scale (``head_dim ** -0.5``).
+        lse: CUDA only: a float32 ``(Hq, N)`` buffer that receives each query's natural-log
+            softmax normaliser (what a backward pass needs).
     """
     if q.is_cuda and HAS_TRITON:
         out = torch.empty_like(q)
@@ -156,6 +165,7 @@ def paged_attention(
             k_cache,
             v_cache,
             out,
+            out if lse is None else lse,
             block_table,
             blocks.row,
             blocks.tok,
@@ -169,12 +179,14 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             block_table.stride(0),
+            0 if lse is None else lse.stride(0),
             G=group,
             D=q.shape[2],
             PAGE=page_size,
             BLOCK_M=blocks.block_m,
             BLOCK_N=64,
             IEEE=q.dtype == torch.float32,
+            HAS_LSE=lse is not None,
             num_warps=4,
         )
         return out
