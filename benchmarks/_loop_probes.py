@@ -159,3 +159,14 @@ class SyncCount:
         if ours:
             f = ours[-1]
             self.sites[f"{part}: {f.filename.split('/agentrl/')[-1]}:{f.lineno} {f.name}"] += 1
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's counters of calls that synchronise the device."""
+    stats = torch.cuda.memory_stats()
+    return {
+        "device_allocs": stats.get("num_device_alloc", 0),
+        "device_frees": stats.get("num_device_free", 0),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "sync_all_streams": stats.get("num_sync_all_streams", 0),
+    }

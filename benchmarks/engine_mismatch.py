@@ -36,8 +36,8 @@ from engine_throughput import multi_turn  # this folder: run as a script
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.inference.engine import LocalEngine
-from agentrl.kernels.paged_attention import QueryBlocks, tile_rows
 from agentrl.kernels.packed_body import PackedBody, _rotate_half
+from agentrl.kernels.paged_attention import QueryBlocks, tile_rows
 from agentrl.learner.logprobs import LogprobModel
 from agentrl.tiny import QWEN3_0_6B_SHAPE
 

@@ -60,7 +60,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 # benchmarks/ is a folder of scripts, not a package
-from _loop_probes import EngineRows, GpuBusy, KernelBusy, SyncCount, server_running_rows  # noqa: E402
+from _loop_probes import (  # noqa: E402
+    EngineRows,
+    GpuBusy,
+    KernelBusy,
+    SyncCount,
+    allocator_counts,
+    server_running_rows,
+)
 from _serve import start_server, stop_server  # noqa: E402
 
 from agentrl.config import dump_config, load_config  # noqa: E402
@@ -191,6 +198,7 @@ def agentrl_loop(
             print(f"  {name} step {rec['step']}: {marks[int(rec['step'])] - t_start:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             if int(rec["step"]) == warmup:
+                seen["alloc0"] = allocator_counts()
                 busy.start()
                 kernels.start()
                 rows_seen.start()
@@ -199,6 +207,8 @@ def agentrl_loop(
             if int(rec["step"]) == warmup + steps:  # before the run's final eval and checkpoint
                 syncs.stop()
                 seen.update(running=rows_seen.stop(), smi=busy.stop(), kernels=kernels.stop())
+                end = allocator_counts()
+                seen["alloc"] = {k: (end[k] - seen["alloc0"][k]) / steps for k in end}
 
     seen: dict[str, Any] = {}
     trainer.on_step = on_step
@@ -235,6 +245,8 @@ def agentrl_loop(
         "engine_rows": rows,
         "engine_running_rows": running,
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
+        # cudaMalloc / cudaFree (device-wide synchronisations) and allocator retries per step
+        "allocator_per_step": seen["alloc"],
         "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
 
@@ -359,6 +371,7 @@ def main() -> None:
         seen = ours["engine_running_rows"]
         print(f"    engine rows {ours['engine_rows']}; running: mean {seen['mean']:.1f}, "
               f"any {seen['active']:.1%} of {seen['samples']} samples")  # fmt: skip
+        print(f"    allocator per step {ours['allocator_per_step']}")
         if ours["syncs_per_step"]:
             print(f"    syncs per step {ours['syncs_per_step']}")
             for site, k in ours["sync_sites_per_step"].items():

@@ -21,9 +21,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
-from agentrl.kernels.paged_attention import QueryBlocks, tile_rows
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.kernels.packed_body import PackedBody
+from agentrl.kernels.paged_attention import QueryBlocks, tile_rows
 from agentrl.learner.logprobs import LogprobModel
 
 BF16 = torch.bfloat16

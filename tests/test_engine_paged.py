@@ -6,7 +6,7 @@ keep the token of the step in flight, weight updates drop cached prefixes, runni
 requeues a request without changing its result, runs of decode steps sample what single steps
 sample, and runs go on while requests wait for a row (none is free). GPU (``gpu``):
 graph-captured decode in runs of steps equals eager single steps; log-probs match the learner's
-(bf16 autocast, packed body) within ``LEARNER_TOL``.
+(bf16 autocast, packed body) within ``LEARNER_TOL`` (the exact mode: tests/test_exact_mode.py).
 """
 
 from __future__ import annotations
