@@ -1,11 +1,11 @@
 """The exact mode (``batch_invariant``): the engine's log-probs equal the learner's bit for bit.
 
-GPU only (marked ``gpu``): the batch-invariant kernels give a row the same bits whatever batch
+On a GPU (marked ``gpu``): the batch-invariant kernels give a row the same bits whatever batch
 it is in and agree with torch to rounding; the exact learner's attention has the varlen
 kernel's gradients; a paged engine in the exact mode (concurrent requests, a second turn
 over a reused prefix) returns log-probs equal to the exact learner's on sequences packed
-together; ``agentrl train`` in the exact mode records no numeric mismatch. On a CPU host the
-exact mode is refused with a clear error (tested here without a GPU).
+together; ``agentrl train`` in the exact mode records no numeric mismatch. Without a card, the
+engine and the learner refuse the exact mode with the reason (CPU tests).
 """
 
 from __future__ import annotations
@@ -37,6 +37,26 @@ def test_exact_mode_is_refused_off_cuda(tiny: Any) -> None:
     with pytest.raises(ValueError, match="batch_invariant"):
         LocalEngine(copy.deepcopy(model), tokenizer, paged=False, batch_invariant=True)
     assert invariant.available(torch.device("cpu")) is not None
+
+
+def test_learner_exact_mode_is_refused_with_a_reason(tiny: Any) -> None:
+    from pydantic import ValidationError
+
+    from agentrl.errors import ConfigError
+    from agentrl.kernels.packed_body import PackedBody
+    from agentrl.learner import Learner, LearnerConfig
+    from agentrl.tiny import build_tiny_moe
+
+    with pytest.raises(ValidationError, match="batch_invariant: needs dtype='bfloat16'"):
+        LearnerConfig(batch_invariant=True)
+    model, _ = tiny
+    config = LearnerConfig(batch_invariant=True, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="batch_invariant: needs the packed body"):
+        Learner(copy.deepcopy(model), config)  # auto on a CPU: transformers' forward
+    with pytest.raises(ConfigError, match="batch_invariant: it needs a CUDA device"):
+        Learner(copy.deepcopy(model), config.model_copy(update={"body": "packed"}))
+    with pytest.raises(ValueError, match="batch_invariant: dense models only"):
+        PackedBody(build_tiny_moe()[0], batch_invariant=True)
 
 
 def _randn(*shape: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
