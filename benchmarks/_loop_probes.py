@@ -16,13 +16,19 @@ import torch
 
 
 class KernelBusy:
-    """The share of wall time at least one kernel runs: a CUDA-only profiler trace's union."""
+    """The share of wall time at least one kernel runs: a CUDA-only profiler trace's union.
 
-    def __init__(self) -> None:
+    With ``gaps``, :meth:`stop` also splits each stream's idle time by cause
+    (:func:`stream_gaps`, read from the exported trace into :attr:`gaps`).
+    """
+
+    def __init__(self, gaps: bool = False) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         self._prof = profile(activities=[ProfilerActivity.CUDA])
         self._t0 = 0.0
+        self._want_gaps = gaps
+        self.gaps: dict[str, Any] = {}
 
     def start(self) -> None:
         """Start tracing kernels."""
@@ -35,6 +41,12 @@ class KernelBusy:
         torch.cuda.synchronize()
         wall = time.perf_counter() - self._t0
         self._prof.__exit__(None, None, None)
+        if self._want_gaps:
+            import tempfile
+
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                self._prof.export_chrome_trace(f.name)
+                self.gaps = stream_gaps(json.load(open(f.name)).get("traceEvents", []), wall)
         spans = sorted(
             (e.time_range.start, e.time_range.end)
             for e in self._prof.events()
@@ -47,6 +59,60 @@ class KernelBusy:
             elif e > end:
                 busy, end = busy + (e - end), e
         return busy / 1e6 / wall if wall > 0 else float("nan")
+
+
+def stream_gaps(events: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """Each CUDA stream's busy and idle time, the idle split by what the next kernel waited for.
+
+    From a chrome trace's events: kernels, copies and memsets (``ts``/``dur`` in us, ``args``
+    ``stream`` and ``correlation``) and the runtime/driver launch calls that share their
+    correlation id (a graph's kernels share their ``cudaGraphLaunch``'s). Before each kernel, the
+    stream's gap since its previous kernel ended is ``host`` for the part before the kernel was
+    launched (the launching thread was late: host-bound) and ``device`` for the rest (launched,
+    yet waiting: other streams' work, dependencies, launch latency). Per stream (the four
+    busiest): kernels, busy, host and device gaps (s), the median launch-to-start latency (us),
+    and the threads (ids) that launched its kernels, with their share.
+    """
+    launches: dict[Any, tuple[float, Any]] = {}
+    work: dict[Any, list[tuple[float, float, Any]]] = {}
+    for e in events:
+        cat, args = e.get("cat", ""), e.get("args") or {}
+        if cat in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", ""):
+            launches[args.get("correlation")] = (float(e["ts"]), e.get("tid"))
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in args:
+            start = float(e["ts"])
+            work.setdefault(args["stream"], []).append(
+                (start, start + float(e.get("dur", 0)), args.get("correlation"))
+            )
+    out: dict[str, Any] = {}
+    for stream, items in sorted(work.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1]))[:4]:
+        items.sort()
+        host = device = 0.0
+        latency: list[float] = []
+        threads: Counter[Any] = Counter()
+        prev_end = None
+        for start, end, corr in items:
+            launch = launches.get(corr)
+            if launch is not None:
+                latency.append(start - launch[0])
+                threads[launch[1]] += 1
+            if prev_end is not None and start > prev_end:
+                gap = start - prev_end
+                late = 0.0 if launch is None else min(max(launch[0] - prev_end, 0.0), gap)
+                host, device = host + late, device + gap - late
+            prev_end = end if prev_end is None else max(prev_end, end)
+        latency.sort()
+        n = sum(threads.values()) or 1
+        out[str(stream)] = {
+            "kernels": len(items),
+            "busy_s": round(sum(b - a for a, b, _ in items) / 1e6, 4),
+            "gap_host_s": round(host / 1e6, 4),
+            "gap_device_s": round(device / 1e6, 4),
+            "launch_to_start_median_us": round(latency[len(latency) // 2], 1) if latency else None,
+            "threads": {str(t): round(k / n, 3) for t, k in threads.most_common(3)},
+        }
+    out["wall_s"] = round(wall_s, 4)
+    return out
 
 
 class GpuBusy:

@@ -30,7 +30,12 @@ every 10 ms over the timed steps), the in-process weight push
 The engine decodes every row the pipeline may start together (``--engine-rows``, default
 ``(max_staleness + 1) x tasks x group``); ``--tasks`` sets both sides' tasks a step;
 ``--count-syncs`` counts agentrl's device-to-host synchronisations in the timed steps by part
-(engine, learner) and call site (torch's sync debug mode; it slows the steps a little).
+(engine, learner) and call site (torch's sync debug mode; it slows the steps a little);
+``--stream-gaps`` splits each CUDA stream's idle time in the timed steps into the part before
+the next kernel was even launched (its thread was late: host-bound) and the part it waited
+once launched (the card), with the launching threads (``stream_gaps``; untried on a card
+yet); ``allocator_per_step`` counts the caching allocator's device allocations, frees and
+retries (each free synchronises the device).
 
 ``--engine process`` runs agentrl's engine in a process of its own on the same card
 (``agentrl serve --config`` with the run's config) and trains over HTTP with
@@ -127,13 +132,16 @@ def agentrl_loop(
     count_syncs: bool = False,
     switch_ms: float | None = None,
     engine_process: bool = False,
+    gaps: bool = False,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
     ``engine_rows`` (default: every row the pipeline may start, ``(staleness + 1)`` steps'
     worth) caps the rows the engine decodes together; ``count_syncs`` counts the timed steps'
     device-to-host synchronisations by call site (it slows them a little); ``engine_process``
-    serves the engine from a process of its own on the card (weights pushed by handle).
+    serves the engine from a process of its own on the card (weights pushed by handle);
+    ``gaps`` splits each stream's idle time into host-late and device-side parts
+    (``_loop_probes.stream_gaps``; exports the timed steps' trace, slow for long runs).
     """
     from agentrl.loop.trainer import Trainer
 
@@ -182,7 +190,7 @@ def agentrl_loop(
         if server is not None:
             stop_server(server)
         raise
-    busy, kernels, syncs = GpuBusy(), KernelBusy(), SyncCount()
+    busy, kernels, syncs = GpuBusy(), KernelBusy(gaps), SyncCount()
     rows_seen = EngineRows(
         (lambda: server_running_rows(url)) if url else
         (lambda: trainer.client.stats()["num_running_reqs"])
@@ -247,6 +255,7 @@ def agentrl_loop(
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
         # cudaMalloc / cudaFree (device-wide synchronisations) and allocator retries per step
         "allocator_per_step": seen["alloc"],
+        "stream_gaps": kernels.gaps,
         "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
 
@@ -315,6 +324,8 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, help="tasks per step (both sides; default: workload's)")
     ap.add_argument("--engine-rows", type=int, help="rows decoded together (default: all started)")
     ap.add_argument("--count-syncs", action="store_true", help="syncs by call site (agentrl)")
+    ap.add_argument("--stream-gaps", action="store_true",
+                    help="streams' idle time: launched late (host) or waiting (card)")  # fmt: skip
     ap.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
                     help="train.gil_switch_interval_ms; several values: agentrl's loop once each, "
                          "side by side (the last one is the headline)")  # fmt: skip
@@ -335,13 +346,16 @@ def main() -> None:
         for engine in a.engine:
             for switch_ms in a.switch_interval_ms:
                 ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
-                                    a.count_syncs, switch_ms, engine == "process")  # fmt: skip
+                                    a.count_syncs, switch_ms, engine == "process",
+                                    a.stream_gaps)  # fmt: skip
                 label = f"engine {engine}, switch interval {switch_ms} ms"
                 keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                         "learner_tokens_per_s", "weight_push_s", "time_split_s",
                         "engine_running_rows")  # fmt: skip
                 runs[label] = {k: ours[k] for k in keys}
                 update = ours["time_split_s"]["update"]
+                if ours["stream_gaps"]:
+                    print(f"[gaps] {json.dumps(ours['stream_gaps'])}", flush=True)
                 print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
                       f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
                       f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
