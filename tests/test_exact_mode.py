@@ -59,6 +59,21 @@ def test_learner_exact_mode_is_refused_with_a_reason(tiny: Any) -> None:
         PackedBody(build_tiny_moe()[0], batch_invariant=True)
 
 
+def test_learner_keys_are_laid_out_as_the_engine_caches_them() -> None:
+    """Each sequence on its own pages, positions restarting at 0, query blocks covering all."""
+    lengths = (20, 16, 1)
+    cpu = torch.device("cpu")
+    slots, pos, blocks, table, n_slots = invariant._paged_layout(lengths, 32, 64, cpu)
+    page = invariant.PAGE
+    assert pos.tolist() == list(range(20)) + list(range(16)) + [0]
+    assert slots.tolist() == list(range(20)) + list(range(32, 48)) + [48]
+    assert n_slots == 4 * page and table.tolist() == [[0, 1], [2, 3], [3, 4]]
+    assert [blocks.row.tolist(), blocks.tok.tolist(), blocks.n.tolist()] == [
+        [0, 1, 2], [0, 20, 36], [20, 16, 1],
+    ]  # fmt: skip
+    assert invariant._paged_layout(lengths, 32, 64, cpu)[0] is slots  # one layout for every layer
+
+
 def _randn(*shape: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()

@@ -242,6 +242,43 @@ def tiles(group: int) -> tuple[int, int]:
     return TILE_ROWS, TILE_ROWS // group
 
 
+_Layout = tuple[torch.Tensor, torch.Tensor, QueryBlocks, torch.Tensor, int]
+_layout_cache: dict[tuple[Any, ...], _Layout] = {}
+
+
+def _paged_layout(lengths: tuple[int, ...], per: int, rows: int, device: torch.device) -> _Layout:
+    """Packed sequences laid out as the engine's cache holds them, for every layer of a forward.
+
+    Returns each token's slot and position, the query blocks (``per`` tokens of one sequence
+    each), the block table, and the slot count. Sequence ``i`` starts on a page boundary.
+    The last layout is kept: the layers of a forward (and its recomputations) share it.
+    """
+    key = (lengths, per, rows, device)
+    if key in _layout_cache:
+        return _layout_cache[key]
+    first_page, slots, pos = [0], list[int](), list[int]()
+    b_row, b_tok, b_n, start = list[int](), list[int](), list[int](), 0
+    for i, n in enumerate(lengths):
+        slots += range(first_page[-1] * PAGE, first_page[-1] * PAGE + n)
+        pos += range(n)
+        first_page.append(first_page[-1] - (-n // PAGE))
+        for j in range(0, n, per):
+            b_row.append(i)
+            b_tok.append(start + j)
+            b_n.append(min(per, n - j))
+        start += n
+    width = max((-(-n // PAGE) for n in lengths), default=1)
+    table = [[f + j for j in range(width)] for f in first_page[:-1]]
+    meta = torch.tensor([b_row, b_tok, b_n], dtype=torch.int64).to(device)
+    tokens = torch.tensor([slots, pos], dtype=torch.int64).to(device)
+    bt = torch.tensor(table, dtype=torch.int32).to(device)
+    layout = (tokens[0], tokens[1], QueryBlocks(meta[0], meta[1], meta[2], rows), bt,
+              first_page[-1] * PAGE)  # fmt: skip
+    _layout_cache.clear()
+    _layout_cache[key] = layout
+    return layout
+
+
 class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -254,36 +291,12 @@ class _PackedAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         _need_cuda(q)
-        device = q.device
-        group = q.shape[1] // k.shape[1]
-        rows, per = tiles(group)
-        # keys in pages, as the engine's cache holds them: sequence i starts on a page boundary
-        pages = [-(-n // PAGE) for n in lengths]
-        first_page = [0]
-        for p in pages:
-            first_page.append(first_page[-1] + p)
-        width = max(pages, default=1)
-        table = [[f + j for j in range(width)] for f in first_page[:-1]]
-        seq = torch.repeat_interleave(
-            torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-        )
-        pos = torch.arange(q.shape[0], device=device) - cu.long()[seq]
-        page_start = torch.tensor(first_page[:-1], device=device)[seq] * PAGE
-        slots = page_start + pos
-        shape = (first_page[-1] * PAGE, *k.shape[1:])
+        rows, per = tiles(q.shape[1] // k.shape[1])
+        slots, pos, blocks, bt, n_slots = _paged_layout(tuple(lengths), per, rows, q.device)
+        shape = (n_slots, *k.shape[1:])
         kp = k.new_zeros(shape).index_copy_(0, slots, k)
         vp = v.new_zeros(shape).index_copy_(0, slots, v)
-        b_row, b_tok, b_n, start = [], [], [], 0
-        for i, n in enumerate(lengths):
-            for j in range(0, n, per):
-                b_row.append(i)
-                b_tok.append(start + j)
-                b_n.append(min(per, n - j))
-            start += n
-        meta = torch.tensor([b_row, b_tok, b_n], dtype=torch.int64).to(device)
-        blocks = QueryBlocks(meta[0], meta[1], meta[2], rows)
-        bt = torch.tensor(table, dtype=torch.int32).to(device)
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=device)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         out = paged_attention(q, kp, vp, bt, blocks, pos, page_size=PAGE, scale=scale, lse=lse)
         ctx.save_for_backward(q, k, v, out, lse, cu)
         ctx.max_len, ctx.scale = max(lengths, default=1), scale
