@@ -239,3 +239,24 @@ def test_gil_switch_interval_holds_for_the_run_only(tmp_path: Path) -> None:
     asyncio.run(trainer.run())
     assert seen and all(s == pytest.approx(0.00025) for s in seen)  # during the run
     assert sys.getswitchinterval() == before  # Python's own again afterwards
+
+
+def test_task_stream_is_a_seeded_shuffle_per_epoch_and_resumes_mid_epoch(tmp_path: Path) -> None:
+    import random
+
+    cfg = load_config(
+        tiny_run(tmp_path / "run", env={"num_train_tasks": 12}, train={"tasks_per_step": 5})
+    )
+    trainer = Trainer(cfg)
+    drawn = [t.id for _ in range(6) for t in trainer.next_tasks()]  # 30 = 2.5 epochs
+    ids = [t.id for t in trainer.train_tasks]
+    expected = []
+    for epoch in range(3):  # each epoch: the tasks in the order the seed and epoch give
+        order = list(range(12))
+        random.Random(cfg.seed * 7919 + epoch).shuffle(order)
+        expected += [ids[i] for i in order]
+    assert drawn == expected[:30]
+    assert sorted(drawn[12:24]) == sorted(ids) and drawn[:12] != drawn[12:24]
+    again = Trainer(cfg)  # a resumed trainer only has its cursor back
+    again.cursor = 17
+    assert [t.id for t in again.next_tasks()] == expected[17:22]

@@ -20,6 +20,7 @@ so that clients can shape ``meta_info.routed_experts``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -28,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from aiohttp import web
+from pydantic_core import PydanticSerializationError, to_json
 
 from agentrl import __version__
 from agentrl.errors import ServerError
@@ -60,6 +62,19 @@ _FLUSHED = (
 def _plain(exc: Exception) -> str:
     """The message of ``exc`` without the ``[endpoint=... rid=...]`` that ServerError appends."""
     return exc.message if isinstance(exc, ServerError) else str(exc)
+
+
+def _json(data: Any) -> web.Response:
+    """``data`` as a JSON response, encoded by pydantic-core (else ``json``: lone surrogates).
+
+    A 256-token ``/generate`` response takes ~30 us there against ~210 us in the stdlib's
+    ``json``, on the event loop that shares the GIL with the engine's scheduling thread.
+    """
+    try:
+        body = to_json(data)
+    except PydanticSerializationError:
+        body = json.dumps(data).encode()
+    return web.Response(body=body, content_type="application/json")
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -155,7 +170,7 @@ class EngineServer:
         finally:
             for task in tasks:  # the client went away: abort what is still running
                 task.cancel()
-        return web.json_response(results if batch else results[0])
+        return _json(results if batch else results[0])
 
     async def _run(self, item: GenerateItem) -> dict[str, Any]:
         prompt_entries: list[list[Any]] = []

@@ -96,13 +96,12 @@ class Trainer:
         self.health = RunHealth(config.train)
         self.step = 0
         self.cursor = 0
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its task order)
         random.seed(config.seed)
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
         self.model, self.tokenizer = load_policy(config)
-        self.chat = ChatTokenizer(
-            self.tokenizer, template_kwargs=config.model.chat_template_kwargs
-        )
+        self.chat = ChatTokenizer(self.tokenizer, template_kwargs=config.model.chat_template_kwargs)
         learner_config = config.learner  # temperature and seed follow the rollout's
         if "body" not in learner_config.model_fields_set and learner_config.dtype != "bfloat16":
             # the packed body's FlashAttention has no float32: a float32 learner on a card
@@ -135,8 +134,6 @@ class Trainer:
                 ) from e
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
-    # ------------------------------------------------------------------ plumbing
-
     def make_env(self) -> Env:
         """A fresh env instance for one episode."""
         return make(self.config.env.id, **self.config.env.kwargs)
@@ -166,9 +163,11 @@ class Trainer:
         n, out = len(self.train_tasks), []
         for _ in range(self.config.train.tasks_per_step):
             epoch, pos = divmod(self.cursor, n)
-            order = list(range(n))
-            random.Random(self.config.seed * 7919 + epoch).shuffle(order)
-            out.append(self.train_tasks[order[pos]])
+            if self._order[0] != epoch:  # once an epoch: O(n) with the GIL held, not per task
+                order = list(range(n))
+                random.Random(self.config.seed * 7919 + epoch).shuffle(order)
+                self._order = (epoch, order)
+            out.append(self.train_tasks[self._order[1][pos]])
             self.cursor += 1
         return out
 
@@ -331,8 +330,6 @@ class Trainer:
             trajs += [t for t, _ in keep]
             advs += [a for _, a in keep]
         return trajs, advs, zero_signal
-
-    # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
         """Write a resumable checkpoint for the current step (once: a second call is a no-op)."""
