@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import gc
 import hashlib
+import itertools
 import json
 import sys
 import tempfile
@@ -159,7 +160,7 @@ def agentrl_loop(
                     "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
                     "temperature": 1.0, "concurrency": 4096},
         "learner": {"lr": w["lr"], "num_minibatches": 1, "dtype": w["dtype"],
-                    "micro_batch_tokens": 16384,
+                    "micro_batch_tokens": w.get("micro_batch_tokens", 16384),
                     # bf16: the learner levers of the recipes' GPU presets
                     **({"attention_kernel": "triton", "compile": True,
                         "selective_recompute": True} if bf16 else {})},
@@ -329,6 +330,9 @@ def main() -> None:
     ap.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
                     help="train.gil_switch_interval_ms; several values: agentrl's loop once each, "
                          "side by side (the last one is the headline)")  # fmt: skip
+    ap.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[16384],
+                    help="learner.micro_batch_tokens (2 micro-batches of the 0.6B step at 16,384, "
+                         "1 at 32,768: half the launches); several: side by side")  # fmt: skip
     ap.add_argument("--engine", nargs="+", default=["thread"], choices=["thread", "process"],
                     help="agentrl's engine in the trainer's process (thread) or in an 'agentrl "
                          "serve' process on the card (process); several: side by side, the last "
@@ -343,25 +347,27 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
         runs: dict[str, dict[str, Any]] = {}
-        for engine in a.engine:
-            for switch_ms in a.switch_interval_ms:
-                ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
-                                    a.count_syncs, switch_ms, engine == "process",
-                                    a.stream_gaps)  # fmt: skip
-                label = f"engine {engine}, switch interval {switch_ms} ms"
-                keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
-                        "learner_tokens_per_s", "weight_push_s", "time_split_s",
-                        "engine_running_rows")  # fmt: skip
-                runs[label] = {k: ours[k] for k in keys}
-                update = ours["time_split_s"]["update"]
-                if ours["stream_gaps"]:
-                    print(f"[gaps] {json.dumps(ours['stream_gaps'])}", flush=True)
-                print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
-                      f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
-                      f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
-                      f"{ours['engine_running_rows']}", flush=True)  # fmt: skip
-                gc.collect()  # the trainer's cycles, then its cached blocks
-                torch.cuda.empty_cache()
+        for engine, switch_ms, mbt in itertools.product(
+            a.engine, a.switch_interval_ms, a.micro_batch_tokens
+        ):
+            WORKLOADS[name]["micro_batch_tokens"] = mbt
+            ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
+                                a.count_syncs, switch_ms, engine == "process",
+                                a.stream_gaps)  # fmt: skip
+            label = f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}"
+            keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
+                    "learner_tokens_per_s", "weight_push_s", "time_split_s",
+                    "engine_running_rows")  # fmt: skip
+            runs[label] = {k: ours[k] for k in keys}
+            update = ours["time_split_s"]["update"]
+            if ours["stream_gaps"]:
+                print(f"[gaps] {json.dumps(ours['stream_gaps'])}", flush=True)
+            print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
+                  f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
+                  f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
+                  f"{ours['engine_running_rows']}", flush=True)  # fmt: skip
+            gc.collect()  # the trainer's cycles, then its cached blocks
+            torch.cuda.empty_cache()
         ours["runs"] = runs
         trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
         torch.cuda.empty_cache()
