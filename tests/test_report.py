@@ -180,12 +180,18 @@ def test_in_progress_run_with_half_written_lines(run_dir: Path, tmp_path: Path) 
     shutil.copytree(run_dir, live, ignore=shutil.ignore_patterns("*.png", "report.html"))
     (live / "summary.json").unlink()
     lines = (live / "trajectories.jsonl").read_text().splitlines(keepends=True)
-    old, new = f'{{"step": {STEPS},', f'{{"step": {STEPS + 1},'
+    new = f'{{"step": {STEPS + 1},'
+
+    def next_step(line: str) -> str:  # the record's step, whatever the writer's spacing
+        out = re.sub(rf'^\{{"step":\s*{STEPS},', f'{{"step":{STEPS + 1},', line, count=1)
+        assert out != line
+        return out
+
     with (live / "trajectories.jsonl").open("a") as f:
         # the trainer is writing the next step's trajectories (3 lines out, the 4th half
         # written) and has not logged that step's metrics yet, only half of the line
-        f.writelines(ln.replace(old, new, 1) for ln in lines[-3:])
-        f.write(lines[-4][:50].replace(old, new, 1))
+        f.writelines(next_step(ln) for ln in lines[-3:])
+        f.write(next_step(lines[-4])[:50])
     with (live / "metrics.jsonl").open("a") as f:
         f.write(new + ' "rollout/rew')
     data = page_data(build_report(live, max_trajectories=9).read_text())
