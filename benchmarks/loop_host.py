@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from agentrl.inference.client import _loads
+from agentrl.fast_json import loads
 from agentrl.inference.server import _json
 from agentrl.loop.health import write_records
 from agentrl.loop.trainer import Trainer
@@ -127,7 +127,7 @@ def main() -> None:
     trainer_lp = [[-3 * rng.random() for _ in range(RESPONSE)] for _ in trajs]
     responses = [response(rng) for _ in range(rows)]
     bodies = [json.dumps(r).encode() for r in responses]
-    assert [_loads(b) for b in bodies] == [json.loads(b) for b in bodies] == responses
+    assert [loads(b) for b in bodies] == [json.loads(b) for b in bodies] == responses
 
     def state() -> SimpleNamespace:
         config = SimpleNamespace(seed=0, train=SimpleNamespace(tasks_per_step=TASKS))
@@ -147,7 +147,7 @@ def main() -> None:
             lambda: [json.dumps(r).encode() for r in responses],
             lambda: [_json(r).body for r in responses],
         ),
-        "parse": (lambda: [json.loads(b) for b in bodies], lambda: [_loads(b) for b in bodies]),
+        "parse": (lambda: [json.loads(b) for b in bodies], lambda: [loads(b) for b in bodies]),
     }
     result: dict[str, object] = {"machine": f"{platform.machine()}, {platform.python_version()}"}
     print(f"per step of {rows} x ({PROMPT} + {RESPONSE}) tokens, median of {a.repeats}:")

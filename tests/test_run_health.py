@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from agentrl import Env, Message, StepResult, Task, register
 from agentrl.config import load_config
@@ -123,3 +124,30 @@ async def test_a_cut_turn_truncates_unless_the_env_sees_it() -> None:
     finally:
         Counting.sees_cut_turns = False
         await engine.aclose()
+
+
+def test_records_keep_text_with_lone_surrogates(tmp_path: Path) -> None:
+    """An env's text may hold a lone surrogate: its record is still written, and reads back."""
+    from agentrl.loop.health import write_records
+    from agentrl.types import Trajectory
+
+    traj = Trajectory(
+        task_id="t",
+        env_id="e",
+        messages=[
+            Message(role="user", content="bad \ud800 byte"),
+            Message(role="assistant", content="é"),
+        ],
+        prompt_len=1,
+        tokens=[5, 6, 7],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.25, -1.5],
+        versions=[-1, 0, 0],
+    )
+    path = tmp_path / "trajectories.jsonl"
+    write_records(path, 3, [(traj, torch.tensor([0.0, 0.1234567, -2.0]))], [], [("failed", traj)])
+    first, second = [json.loads(line) for line in path.read_text().splitlines()]
+    assert first["advantages"] == [0.0, 0.123457, -2.0] and first["trainer_logprobs"] is None
+    assert first["trajectory"]["messages"][0]["content"] == "bad \ud800 byte"
+    assert Trajectory.model_validate(first["trajectory"]) == traj
+    assert second["kind"] == "failed" and second["advantages"] == [0.0, 0.0, 0.0]

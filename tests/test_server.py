@@ -219,13 +219,13 @@ async def test_responses_and_errors_conform_to_sglang_contract(sglang_api_types,
 
 
 def test_json_bodies_are_encoded_fast_and_fall_back_for_lone_surrogates() -> None:
-    from agentrl.inference.client import _loads
+    from agentrl.fast_json import loads
     from agentrl.inference.server import _json
 
     assert _json({"t": "é✓", "lp": [-0.5, None]}).body == '{"t":"é✓","lp":[-0.5,null]}'.encode()
     odd = {"text": "a\ud800b", "ids": [1, 2]}  # a lone surrogate: pydantic-core refuses it
     assert json.loads(_json(odd).body) == odd
-    assert _loads(json.dumps(odd).encode()) == odd
-    assert _loads(b'{"lp": [-1e-7, -Infinity]}') == {"lp": [-1e-7, float("-inf")]}
+    assert loads(json.dumps(odd).encode()) == odd
+    assert loads(b'{"lp": [-1e-7, -Infinity]}') == {"lp": [-1e-7, float("-inf")]}
     with pytest.raises(ValueError):
-        _loads(b'{"cut off')
+        loads(b'{"cut off')

@@ -28,8 +28,8 @@ import uuid
 from typing import Any
 
 import aiohttp
-from pydantic_core import from_json
 
+from agentrl import fast_json
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.client_control import ControlPlane
@@ -322,7 +322,7 @@ class SGLangClient(ControlPlane):
                     ep.in_flight -= 1
                     active.endpoint = None
                 try:
-                    data = _loads(raw)
+                    data = fast_json.loads(raw)
                 except ValueError:
                     raise ServerError(
                         f"malformed /generate response: not JSON: {raw[:200]!r}",
@@ -477,14 +477,3 @@ class SGLangClient(ControlPlane):
             return int(models["data"][0]["max_model_len"])
         except (KeyError, IndexError, TypeError, ValueError):
             raise ServerError(f"malformed /v1/models response: {models!r}", endpoint="") from None
-
-
-def _loads(raw: bytes) -> Any:
-    """Parse JSON on the event loop: pydantic-core (~3x the stdlib on ``/generate``), else ``json``.
-
-    pydantic-core refuses lone surrogate escapes; ``json`` takes those, or raises if malformed.
-    """
-    try:
-        return from_json(raw)
-    except ValueError:
-        return json.loads(raw)
