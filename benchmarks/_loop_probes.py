@@ -46,7 +46,15 @@ class KernelBusy:
 
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 self._prof.export_chrome_trace(f.name)
-                self.gaps = stream_gaps(json.load(open(f.name)).get("traceEvents", []), wall)
+                events = json.load(open(f.name)).get("traceEvents", [])
+            self.gaps = stream_gaps(events, wall)
+            self.gaps["detail"] = gap_detail(events)
+            del events
+            # name the launching threads (the autograd engine's worker is a C++ thread: unnamed)
+            names = {}
+            for t in threading.enumerate():  # traces name a thread by its id or its pthread id
+                names[str(t.native_id)] = names[str((t.ident or 0) & 0xFFFFFFFF)] = t.name
+            self.gaps["thread_names"] = names
         spans = sorted(
             (e.time_range.start, e.time_range.end)
             for e in self._prof.events()
@@ -112,6 +120,113 @@ def stream_gaps(events: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             "threads": {str(t): round(k / n, 3) for t, k in threads.most_common(3)},
         }
     out["wall_s"] = round(wall_s, 4)
+    return out
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _covered(merged: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
+    """How much of [a, b] the merged intervals cover."""
+    import bisect
+
+    i, got = max(bisect.bisect_right(starts, a) - 1, 0), 0.0
+    while i < len(merged) and merged[i][0] < b:
+        got += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+        i += 1
+    return got
+
+
+def gap_detail(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the least-graphed busy stream (the learner's) waits, from a chrome trace.
+
+    Each gap before a kernel splits into ``host`` (before its launch call began), ``call`` (the
+    launch call still running: driver or GIL-held launcher blocked) and ``device`` (launched,
+    not started); the device part further into time another stream ran a kernel and time the
+    card ran nothing. Also: the launch and sync calls that took the most time, by thread, and
+    the largest gaps with their kernel and call.
+    """
+    calls: dict[Any, tuple[float, float, str, Any]] = {}
+    api: dict[tuple[Any, str], list[float]] = {}
+    work: dict[Any, list[tuple[float, float, Any, str]]] = {}
+    for e in events:
+        cat, args = e.get("cat", ""), e.get("args") or {}
+        if cat in ("cuda_runtime", "cuda_driver"):
+            ts, dur = float(e["ts"]), float(e.get("dur", 0))
+            calls[args.get("correlation")] = (ts, ts + dur, e.get("name", ""), e.get("tid"))
+            api.setdefault((e.get("tid"), e.get("name", "")), []).append(dur)
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in args:
+            start = float(e["ts"])
+            work.setdefault(args["stream"], []).append(
+                (start, start + float(e.get("dur", 0)), args.get("correlation"), e.get("name", ""))
+            )
+    if not work:
+        return {}
+    merged = {s: _merge([(a, b) for a, b, _, _ in items]) for s, items in work.items()}
+    every = _merge([iv for m in merged.values() for iv in m])
+    every_starts = [a for a, _ in every]
+    graphed = {  # the share of a stream's kernels launched by a graph launch
+        s: sum(1 for it in items if it[2] in calls and "Graph" in calls[it[2]][2]) / len(items)
+        for s, items in work.items()
+    }
+    busy = {s: sum(b - a for a, b in m) for s, m in merged.items()}
+    learner = max((s for s in work if graphed[s] < 0.5), key=lambda s: busy[s], default=None)
+    out: dict[str, Any] = {"graphed_share": {str(s): round(g, 3) for s, g in graphed.items()}}
+    top_api = sorted(api.items(), key=lambda kv: -sum(kv[1]))[:14]
+    out["api_top"] = [
+        {"thread": str(t), "name": n, "calls": len(d), "total_s": round(sum(d) / 1e6, 4),
+         "median_us": round(sorted(d)[len(d) // 2], 1), "max_us": round(max(d), 1)}
+        for (t, n), d in top_api
+    ]  # fmt: skip
+    if learner is None:
+        return out
+    others = _merge([iv for s, m in merged.items() if s != learner for iv in m])
+    other_starts = [a for a, _ in others]
+    part = {"host": 0.0, "call": 0.0, "device_other_busy": 0.0, "device_idle": 0.0}
+    buckets = {"<10us": [0, 0.0], "10-100us": [0, 0.0], "0.1-1ms": [0, 0.0], "1-10ms": [0, 0.0],
+               ">10ms": [0, 0.0]}  # fmt: skip
+    largest: list[tuple[float, dict[str, Any]]] = []
+    items = sorted(work[learner])
+    prev_end = None
+    for start, end, corr, name in items:
+        if prev_end is not None and start > prev_end:
+            c = calls.get(corr)
+            begin, done = (c[0], c[1]) if c else (prev_end, prev_end)
+            host = min(max(begin - prev_end, 0.0), start - prev_end)
+            call = min(max(done - max(begin, prev_end), 0.0), start - prev_end - host)
+            dev_a = prev_end + host + call
+            dev = start - dev_a
+            other = _covered(others, other_starts, dev_a, start) if dev > 0 else 0.0
+            part["host"] += host
+            part["call"] += call
+            part["device_other_busy"] += other
+            part["device_idle"] += dev - other
+            gap = start - prev_end
+            key = ("<10us" if gap < 10 else "10-100us" if gap < 100 else "0.1-1ms" if gap < 1e3
+                   else "1-10ms" if gap < 1e4 else ">10ms")  # fmt: skip
+            buckets[key][0] += 1
+            buckets[key][1] += gap
+            if gap > 500:
+                largest.append((gap, {
+                    "gap_us": round(gap), "host_us": round(host), "call_us": round(call),
+                    "device_us": round(dev), "other_busy_us": round(other),
+                    "card_busy_us": round(_covered(every, every_starts, prev_end, start)),
+                    "kernel": name[:70], "call": c[2] if c else None,
+                    "thread": str(c[3]) if c else None,
+                }))  # fmt: skip
+        prev_end = end if prev_end is None else max(prev_end, end)
+    largest.sort(key=lambda kv: -kv[0])
+    out["learner_stream"] = str(learner)
+    out["learner_gap_s"] = {k: round(v / 1e6, 4) for k, v in part.items()}
+    out["learner_gap_buckets"] = {k: [n, round(t / 1e6, 4)] for k, (n, t) in buckets.items()}
+    out["learner_largest_gaps"] = [d for _, d in largest[:16]]
     return out
 
 

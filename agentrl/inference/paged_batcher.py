@@ -33,7 +33,7 @@ from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.sampling import row_keys
-from agentrl.kernels.transfer import device_context
+from agentrl.kernels.transfer import device_context, to_device, to_host
 
 DEFAULT_KV_CACHE_FRAC = 0.5
 """Paged path on CUDA: share of the free GPU memory the KV cache takes by default."""
@@ -238,7 +238,7 @@ class PagedBatcher(Batcher):
         runner, size = self.paged, self.paged.page_size
         with torch.inference_mode(), device_context(runner.device):  # a worker thread's device
             if self._table:
-                table = torch.tensor(self._table, dtype=torch.int64).t().to(runner.device)
+                table = to_device(torch.tensor(self._table, dtype=torch.int64).t(), runner.device)
                 runner.block_table[table[0], table[1]] = table[2].int()  # (row, i, page)
                 self._table = []
             reqs = plan.decode + plan.admit
@@ -248,7 +248,7 @@ class PagedBatcher(Batcher):
                 runs = runner.decode_many(meta, plan.steps)  # (steps, 2, n)
                 for req in plan.decode:
                     req.kv_len += plan.steps
-                flat = runs.transpose(0, 1).reshape(2, -1).tolist()
+                flat = to_host(runs.transpose(0, 1).reshape(2, -1)).tolist()
                 return [int(t) for t in flat[0]], flat[1]
             if plan.decode:
                 logits, out = runner.decode(meta[:, : len(plan.decode)])
@@ -268,7 +268,7 @@ class PagedBatcher(Batcher):
                 req.kv_len += 1
             for req in plan.admit:
                 req.kv_len = len(req.prompt) + len(req.output_ids)
-            both = (sampled[0] if len(sampled) == 1 else torch.cat(sampled, dim=1)).tolist()
+            both = to_host(sampled[0] if len(sampled) == 1 else torch.cat(sampled, dim=1)).tolist()
             return [int(t) for t in both[0]], both[1]
 
 
@@ -300,13 +300,13 @@ def _sample(
     runner: PagedRunner, logits: torch.Tensor, meta: torch.Tensor, reqs: list[Request]
 ) -> torch.Tensor:
     """Sample ``logits`` eagerly with the sampling rows of ``meta``: ``(2, B)`` float64."""
-    m = meta[4:7].to(logits.device)
+    m = to_device(meta[4:7], logits.device)
     inv_t = m[1].to(torch.int32).view(torch.float32)
     top_k = top_p = None
     if any(r.params.truncates for r in reqs):
-        top_k = torch.tensor([r.params.top_k for r in reqs], device=logits.device)
-        top_p = torch.tensor(
-            [r.params.top_p for r in reqs], dtype=torch.float32, device=logits.device
+        top_k = to_device(torch.tensor([r.params.top_k for r in reqs]), logits.device)
+        top_p = to_device(
+            torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32), logits.device
         )
     tokens, logprobs = runner.sample(logits, inv_t, m[2].bool(), m[0], top_k, top_p)
     return torch.stack([tokens.double(), logprobs.double()])

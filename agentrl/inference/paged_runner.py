@@ -38,6 +38,7 @@ from agentrl.kernels.fused_layer import _rms_norm, layer_post, layer_pre
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.packed_body import unsupported_reason
 from agentrl.kernels.paged_attention import QueryBlocks, paged_attention, tile_rows
+from agentrl.kernels.transfer import to_device
 
 PREFILL_TOKENS_PER_BLOCK = 32
 DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy", "seeds", "counts")
@@ -283,11 +284,11 @@ class PagedRunner:
                 qb_tok.append(b)
                 qb_n.append(min(per, len(ids) - b))
             last.append(len(ids) - 1)
-        meta = torch.tensor([ids, pos, slots], dtype=torch.int64).to(self.device)
-        qbs = torch.tensor([qb_row, qb_tok, qb_n], dtype=torch.int64).to(self.device)
+        meta = to_device(torch.tensor([ids, pos, slots], dtype=torch.int64), self.device)
+        qbs = to_device(torch.tensor([qb_row, qb_tok, qb_n], dtype=torch.int64), self.device)
         blocks = QueryBlocks(qbs[0], qbs[1], qbs[2], self._tile(per))
         hidden = self._forward(meta[0], meta[1], meta[2], blocks)
-        return self._logits(hidden[torch.tensor(last, device=self.device)])
+        return self._logits(hidden[to_device(torch.tensor(last), self.device)])
 
     def _decode_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
