@@ -23,13 +23,14 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def wait_for(device: torch.device) -> None:
     """Block this thread until the work queued so far on ``device``'s current stream has run.
 
-    Reading a CUDA tensor on the host (``.tolist()``, ``.item()``, ``.cpu()``) waits for the
-    GPU inside a device-to-host copy into pageable memory, and the CUDA driver stalls the kernel
-    launches of every other thread of the process meanwhile. In the overlapped loop, where the
-    engine and the learner are threads of one process, each waited ~16 ms (one decode run) on
-    the other's reads: on an H100, the learner's launch calls were blocked for 2.2 s in 4 steps
-    of 1 s. Waiting on an event first does not stall them, and the copy after it is immediate.
-    Off CUDA it returns at once.
+    Reading a CUDA tensor on the host (``.tolist()``, ``.item()``, ``.cpu()``) waits for the GPU
+    inside a device-to-host copy into pageable memory. On the legacy default stream, where the
+    embedded engine replays its graphs, that copy stalls every other thread's kernel launches
+    until it is done (``benchmarks/launch_stall.py``, H100: another thread's 2,000 launches took
+    72.8 ms, the slowest 47.9 ms, against 23.3 and 0.14 ms after an event wait; a read on a
+    stream of its own stalled nothing). In the overlapped loop the learner's launch calls were
+    blocked 1.7 s in 4 steps of 1.1 s. An event wait stalls nothing, and the copy after it is
+    immediate. Off CUDA it returns at once.
     """
     if device.type == "cuda":
         done = torch.cuda.Event()
