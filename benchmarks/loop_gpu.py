@@ -12,7 +12,9 @@ The reward is a seeded hash of the response (a random model never answers right,
 constant reward gives no group a signal), so every step trains every sequence on both sides.
 
 agentrl: ``Trainer`` with ``model.device=auto`` (policy, learner and embedded engine on the
-card), the overlapped loop (``max_staleness=1``), one optimizer step per batch. TRL:
+card), the overlapped loop (``max_staleness=1``, with ``max_inflight_groups`` = all the
+staleness bound admits, two steps' groups: ``--inflight-groups``), one optimizer step per batch
+(one learner micro-batch of up to 32,768 tokens: ``--micro-batch-tokens``). TRL:
 ``GRPOTrainer.train()`` with its own generation (``use_vllm=False``), GSPO settings as in
 ``benchmarks/_trl_side.py`` (sequence-level ratio, epsilon 3e-4/4e-4, beta 0), one optimizer
 step per generation batch of the same size. Trained tokens = prompt + response tokens of the
@@ -134,6 +136,7 @@ def agentrl_loop(
     switch_ms: float | None = None,
     engine_process: bool = False,
     gaps: bool = False,
+    inflight: int | None = None,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
@@ -148,6 +151,7 @@ def agentrl_loop(
 
     w = WORKLOADS[name]
     rows = engine_rows or (staleness + 1) * w["tasks"] * w["group"]
+    inflight = (inflight or (staleness + 1) * w["tasks"]) if staleness else None
     bf16 = w["dtype"] == "bfloat16"
     run_dir = tempfile.mkdtemp(prefix=f"loop_gpu_{name}_")
     config = load_config({
@@ -160,12 +164,13 @@ def agentrl_loop(
                     "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
                     "temperature": 1.0, "concurrency": 4096},
         "learner": {"lr": w["lr"], "num_minibatches": 1, "dtype": w["dtype"],
-                    "micro_batch_tokens": w.get("micro_batch_tokens", 16384),
+                    "micro_batch_tokens": w.get("micro_batch_tokens", 32768),
                     # bf16: the learner levers of the recipes' GPU presets
                     **({"attention_kernel": "triton", "compile": True,
                         "selective_recompute": True} if bf16 else {})},
         "train": {"steps": steps + warmup, "tasks_per_step": w["tasks"], "eval_every": 0,
-                  "max_staleness": staleness, "gil_switch_interval_ms": switch_ms},
+                  "max_staleness": staleness, "gil_switch_interval_ms": switch_ms,
+                  "max_inflight_groups": inflight},
     })  # fmt: skip
     free, total = torch.cuda.mem_get_info()
     print(
@@ -252,6 +257,7 @@ def agentrl_loop(
         "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "engine_rows": rows,
+        "inflight_groups": inflight,
         "engine_running_rows": running,
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
         # cudaMalloc / cudaFree (device-wide synchronisations) and allocator retries per step
@@ -330,7 +336,10 @@ def main() -> None:
     ap.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
                     help="train.gil_switch_interval_ms; several values: agentrl's loop once each, "
                          "side by side (the last one is the headline)")  # fmt: skip
-    ap.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[16384],
+    ap.add_argument("--inflight-groups", type=int, nargs="+", default=[None],
+                    help="train.max_inflight_groups (default: all the staleness bound admits, "
+                         "(max_staleness + 1) x tasks); several: side by side")  # fmt: skip
+    ap.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[32768],
                     help="learner.micro_batch_tokens (2 micro-batches of the 0.6B step at 16,384, "
                          "1 at 32,768: half the launches); several: side by side")  # fmt: skip
     ap.add_argument("--engine", nargs="+", default=["thread"], choices=["thread", "process"],
@@ -347,14 +356,15 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
         runs: dict[str, dict[str, Any]] = {}
-        for engine, switch_ms, mbt in itertools.product(
-            a.engine, a.switch_interval_ms, a.micro_batch_tokens
+        for engine, switch_ms, mbt, inflight in itertools.product(
+            a.engine, a.switch_interval_ms, a.micro_batch_tokens, a.inflight_groups
         ):
             WORKLOADS[name]["micro_batch_tokens"] = mbt
             ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
                                 a.count_syncs, switch_ms, engine == "process",
-                                a.stream_gaps)  # fmt: skip
-            label = f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}"
+                                a.stream_gaps, inflight)  # fmt: skip
+            label = (f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}, "
+                     f"in-flight groups {ours['inflight_groups']}")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",
                     "engine_running_rows")  # fmt: skip

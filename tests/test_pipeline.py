@@ -221,3 +221,33 @@ def test_staleness_metrics_by_hand() -> None:
     assert m["staleness/old_token_frac"] == pytest.approx(4 / 7)
     assert m["staleness/version_spread"] == 2 and m["staleness/max"] == 2
     assert m["staleness/interrupted_episodes"] == 2 and m["staleness/resumed_episodes"] == 1
+
+
+def test_room_a_push_admits_is_filled_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a push the admission bound grows by a step's groups; they start right away.
+
+    With ``max_inflight_groups`` = two steps' groups and fixed-length turns, every wave of
+    groups ends together: unless the push itself starts the next wave, only one step's groups
+    are ever generated at once (the engine decodes half the rows it could).
+    """
+    started_by_push: list[int] = []
+    synced = Pipeline._synced
+
+    def spy(self: Pipeline) -> None:
+        before = self.stats.started
+        synced(self)
+        started_by_push.append(self.stats.started - before)
+        # never beyond the bounds: in flight, and (S + 1) steps' groups past those trained
+        assert len(self._inflight) <= 4
+        assert self.stats.started - self._taken_before_served <= 4
+
+    monkeypatch.setattr(Pipeline, "_synced", spy)
+    cfg = run_config(tmp_path, max_staleness=1, tasks_per_step=2, max_inflight_groups=4, steps=6)
+    cfg["rollout"] = {"group_size": 2, "max_turns": 1, "max_new_tokens": 4,
+                      "max_total_tokens": 48, "ignore_eos": True}  # fmt: skip
+    cfg["train"]["eval_every"] = 0
+    asyncio.run(Trainer(load_config(cfg)).run())
+    # each push admits the two groups its step took: the next wave starts at the push
+    assert started_by_push == [2] * 6
