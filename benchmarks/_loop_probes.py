@@ -264,26 +264,34 @@ class EngineRows:
     """The engine's running rows, sampled every 10 ms from a thread: mean, and share of time > 0.
 
     ``read`` returns the running-request count (the in-process engine's ``stats()``, or the
-    server's ``/v1/loads``).
+    server's ``/v1/loads``), or a (running, waiting) pair; :attr:`timeline` keeps
+    ``(ms since start, running, waiting)`` per sample.
     """
 
     def __init__(self, read: Any) -> None:
         self.read = read
         self.samples: list[int] = []
+        self.timeline: list[tuple[int, int, int]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.t0 = 0.0
 
     def start(self) -> None:
         """Start sampling."""
+        self.t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
             try:
-                self.samples.append(int(self.read()))
+                got = self.read()
             except Exception:  # noqa: BLE001 - a missed sample (server busy) is skipped
                 continue
+            running, waiting = got if isinstance(got, tuple) else (got, -1)
+            self.samples.append(int(running))
+            ms = round((time.perf_counter() - self.t0) * 1e3)
+            self.timeline.append((ms, int(running), int(waiting)))
 
     def stop(self) -> dict[str, float]:
         """Stop; ``mean`` running rows and ``active`` (share of samples with any)."""

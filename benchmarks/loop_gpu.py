@@ -26,7 +26,8 @@ interval on the card, from a CUDA-only ``torch.profiler`` trace of the timed ste
 wall time; ``gpu_busy_nvidia_smi``: ``nvidia-smi`` utilisation sampled every 100
 ms over the timed steps: the share of time a kernel was running; both stop at the last timed
 step, before the run's final evaluation and checkpoint), the engine's running rows (sampled
-every 10 ms over the timed steps), the in-process weight push
+every 10 ms over the timed steps; a ``[timeline]`` line gives each sample's running and waiting
+requests beside each timed step's end, wait, update and push), the in-process weight push
 (``time/sync_s``) and response tokens whose groups finished during updates (overlap).
 
 The engine decodes every row the pipeline may start together (``--engine-rows``, default
@@ -199,7 +200,8 @@ def agentrl_loop(
     busy, kernels, syncs = GpuBusy(), KernelBusy(gaps), SyncCount()
     rows_seen = EngineRows(
         (lambda: server_running_rows(url)) if url else
-        (lambda: trainer.client.stats()["num_running_reqs"])
+        (lambda: tuple(trainer.client.stats()[k]
+                       for k in ("num_running_reqs", "num_waiting_reqs")))
     )  # fmt: skip
     marks: dict[int, float] = {}
 
@@ -263,6 +265,22 @@ def agentrl_loop(
         # cudaMalloc / cudaFree (device-wide synchronisations) and allocator retries per step
         "allocator_per_step": seen["alloc"],
         "stream_gaps": kernels.gaps,
+        # the engine's (ms, running, waiting) every 10 ms, and each timed step's end, wait,
+        # update and push (s), on the sampler's clock: where the engine idles in a step
+        "timeline": {
+            "rows": rows_seen.timeline,
+            "steps": [
+                {
+                    "end_ms": round((marks[int(r["step"])] - rows_seen.t0) * 1e3),
+                    "wait_s": round(r["time/wait_s"], 4),
+                    "update_s": round(r["time/train_s"], 4),
+                    "push_s": round(r["time/sync_s"], 4),
+                    "inflight": r.get("pipeline/inflight_groups"),
+                    "buffered": r.get("pipeline/buffered_groups"),
+                }
+                for r in timed
+            ],
+        },
         "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
 
@@ -372,6 +390,7 @@ def main() -> None:
             update = ours["time_split_s"]["update"]
             if ours["stream_gaps"]:
                 print(f"[gaps] {json.dumps(ours['stream_gaps'])}", flush=True)
+            print(f"[timeline] {json.dumps(ours['timeline'])}", flush=True)
             print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
                   f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
                   f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
