@@ -138,6 +138,7 @@ def agentrl_loop(
     engine_process: bool = False,
     gaps: bool = False,
     inflight: int | None = None,
+    interrupt_mode: str = "abort",
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
@@ -163,7 +164,8 @@ def agentrl_loop(
         "env": {"id": "bench-hash-v0", "num_train_tasks": 4096, "num_eval_tasks": 1},
         "rollout": {"group_size": w["group"], "max_turns": 1, "max_new_tokens": w["new_tokens"],
                     "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
-                    "temperature": 1.0, "concurrency": 4096},
+                    "temperature": 1.0, "concurrency": 4096,
+                    "interrupt_mode": interrupt_mode},
         "learner": {"lr": w["lr"], "num_minibatches": 1, "dtype": w["dtype"],
                     "micro_batch_tokens": w.get("micro_batch_tokens", 32768),
                     # bf16: the learner levers of the recipes' GPU presets
@@ -354,6 +356,10 @@ def main() -> None:
     ap.add_argument("--switch-interval-ms", type=float, nargs="+", default=[None],
                     help="train.gil_switch_interval_ms; several values: agentrl's loop once each, "
                          "side by side (the last one is the headline)")  # fmt: skip
+    ap.add_argument("--interrupt-mode", nargs="+", default=["abort"],
+                    choices=["abort", "retract", "in_place"],
+                    help="rollout.interrupt_mode: how a push interrupts the turns in flight; "
+                         "several: side by side")  # fmt: skip
     ap.add_argument("--inflight-groups", type=int, nargs="+", default=[None],
                     help="train.max_inflight_groups (default: all the staleness bound admits, "
                          "(max_staleness + 1) x tasks); several: side by side")  # fmt: skip
@@ -374,15 +380,19 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
         runs: dict[str, dict[str, Any]] = {}
-        for engine, switch_ms, mbt, inflight in itertools.product(
-            a.engine, a.switch_interval_ms, a.micro_batch_tokens, a.inflight_groups
+        for engine, switch_ms, mbt, inflight, mode in itertools.product(
+            a.engine,
+            a.switch_interval_ms,
+            a.micro_batch_tokens,
+            a.inflight_groups,
+            a.interrupt_mode,
         ):
             WORKLOADS[name]["micro_batch_tokens"] = mbt
             ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
                                 a.count_syncs, switch_ms, engine == "process",
-                                a.stream_gaps, inflight)  # fmt: skip
+                                a.stream_gaps, inflight, mode)  # fmt: skip
             label = (f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}, "
-                     f"in-flight groups {ours['inflight_groups']}")  # fmt: skip
+                     f"in-flight groups {ours['inflight_groups']}, interrupt {mode}")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",
                     "engine_running_rows")  # fmt: skip

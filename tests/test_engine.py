@@ -230,10 +230,12 @@ async def test_abort_in_waiting_queue(tiny):
     assert (await busy).finish_reason == "abort"
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-async def test_pause_update_resume_splits_versions(tiny, teacher_logprobs, mode):
+async def test_pause_update_resume_splits_versions(tiny, teacher_logprobs, mode, paged):
     model, tokenizer = tiny
-    engine = LocalEngine(model, tokenizer)
+    # the paged engine (a GPU's path, here on the CPU) with small pages: the request spans several
+    engine = LocalEngine(model, tokenizer, paged=paged, **({"page_size": 4} if paged else {}))
     new_model = build_tiny_model(tokenizer, seed=1)
     prompt = [1, 25, 26, 27]
     task = asyncio.create_task(engine.generate(prompt, sp(40, seed=3), rid="r"))

@@ -251,3 +251,46 @@ def test_room_a_push_admits_is_filled_at_once(
     asyncio.run(Trainer(load_config(cfg)).run())
     # each push admits the two groups its step took: the next wave starts at the push
     assert started_by_push == [2] * 6
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_turns_stay_open_across_pushes_with_a_pausing_interrupt_mode(
+    tmp_path: Path, mode: str
+) -> None:
+    """``rollout.interrupt_mode`` ``retract`` / ``in_place``: no turn is cut and re-sent; a turn
+    in flight at a push goes on in the paused engine, its tokens of two versions in one turn."""
+    cfg = run_config(tmp_path, max_staleness=1)
+    cfg["rollout"].update(ignore_eos=True, max_new_tokens=24, max_total_tokens=64,
+                          max_turns=1, interrupt_mode=mode)  # fmt: skip
+    cfg["train"]["eval_every"] = 0
+    trainer = Trainer(load_config(cfg))
+    # one turn scored by its text (every group has a signal: each step updates and pushes)
+    trainer.train_tasks = [Task(id=f"t{i}", prompt=f"Say {i}.", data={"turns": 1})
+                           for i in range(64)]  # fmt: skip
+    trainer.make_env = Turns  # type: ignore[method-assign]
+    summary = asyncio.run(trainer.run())
+    assert summary["steps"] == 3
+    steps = [r for r in records(tmp_path) if "rollout/episodes" in r]
+    assert all(r["staleness/interrupted_episodes"] == 0 for r in steps)
+    assert all(r["staleness/resumed_episodes"] == 0 for r in steps)
+    assert all(r.get("rollout/zero_signal_groups", 0) < 6 for r in steps)
+    mixed = 0
+    for rec in map(json.loads, (tmp_path / "trajectories.jsonl").read_text().splitlines()):
+        t = rec["trajectory"]
+        sampled = [v for v, m in zip(t["versions"], t["loss_mask"], strict=True) if m]
+        assert len(sampled) == 24 and sampled == sorted(sampled)  # one turn, versions rising
+        assert min(sampled) >= rec["step"] - 2 and max(sampled) <= rec["step"] - 1
+        mixed += len(set(sampled)) > 1
+    assert mixed > 0  # some turns were in flight at a push and went on after it
+
+
+def test_interrupt_modes_that_keep_turns_open_need_a_pausing_client() -> None:
+    from agentrl.errors import ConfigError
+    from agentrl.rollout import RolloutConfig, RolloutEngine
+
+    class NoPause:  # an InferenceClient without pause / continue_generation
+        async def generate(self, *a: Any, **k: Any) -> Any:
+            raise AssertionError("not called")
+
+    with pytest.raises(ConfigError, match="interrupt_mode: 'in_place' needs a client"):
+        RolloutEngine(NoPause(), None, RolloutConfig(interrupt_mode="in_place"))  # type: ignore[arg-type]

@@ -80,6 +80,14 @@ class RolloutConfig(BaseModel):
     """Record the experts an MoE policy routed every token to (``Trajectory.routed_experts``).
     ``None``: on when the embedded engine records routing (an MoE model); ``True`` needs a
     server that returns them (``--enable-return-routed-experts`` on SGLang or ``agentrl serve``)."""
+    interrupt_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How a weight push (overlapped loop) interrupts the turns in flight, as the server's pause
+    mode: ``abort``, they return what they sampled and resume from prompt + partial output, their
+    cache recomputed by the new weights; ``retract``, they stay open and the engine recomputes
+    their cache on resume (the same numbers, no round trip through the episodes); ``in_place``,
+    they stay open with the cache the old weights computed: nothing recomputed (cheapest), but
+    the new tokens' log-probs see a prefix encoded by the old weights. A client that cannot
+    pause supports ``abort`` only."""
 
     def sampling(self) -> SamplingParams:
         """The per-turn sampling parameters (``max_new_tokens`` is lowered near the budget)."""
@@ -152,6 +160,11 @@ class RolloutEngine:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config or RolloutConfig()
+        if self.config.interrupt_mode != "abort" and _pausable(client) is None:
+            raise ConfigError(
+                f"rollout.interrupt_mode: {self.config.interrupt_mode!r} needs a client that "
+                f"can pause (the embedded engine, SGLang); {type(client).__name__} cannot"
+            )
         self.chat = chat or ChatTokenizer(tokenizer)
         self._sem = asyncio.Semaphore(self.config.concurrency)
         self._token_text: dict[int, str] = {}
@@ -372,10 +385,11 @@ class RolloutEngine:
         """Cut off in-flight generation for a weight update (partial rollouts).
 
         New requests wait at a gate; running ones are aborted and return what they sampled so
-        far, which the episodes keep. A client that can pause (the embedded engine, SGLang) is
-        paused in ``abort`` mode, which SGLang repeats until no request holds the model, and
-        which makes a request still in transit wait for :meth:`release` instead of running on
-        the old weights; any other client gets ``abort(None)``. Push the new weights, then
+        far, which the episodes keep (or, with ``interrupt_mode`` ``retract`` or ``in_place``,
+        stay open in the paused server). A client that can pause (the embedded engine, SGLang) is
+        paused in that mode (``abort``: SGLang repeats it until no request holds the model, and
+        a request still in transit waits for :meth:`release` instead of running on the old
+        weights); any other client gets ``abort(None)``. Push the new weights, then
         call :meth:`release`.
         """
         self._epoch += 1
@@ -383,7 +397,7 @@ class RolloutEngine:
         pausable = _pausable(self.client)
         if pausable is not None:
             self._paused = True  # (before the call: a pause that half failed is undone too)
-            await pausable.pause("abort")
+            await pausable.pause(self.config.interrupt_mode)
         else:
             await self.client.abort(None)
 
