@@ -1,4 +1,4 @@
-"""Host/device copies that do not make a thread hold the CUDA driver while it waits for the GPU."""
+"""Host/device copies that make no thread wait for the GPU needlessly or stall the others."""
 
 from __future__ import annotations
 
