@@ -60,13 +60,33 @@ class KernelBusy:
             for e in self._prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA
         )
-        busy, end = 0.0, float("-inf")
-        for s, e in spans:  # microseconds
-            if s > end:
-                busy, end = busy + (e - s), e
-            elif e > end:
-                busy, end = busy + (e - end), e
+        busy = sum(b - a for a, b in _merge(spans))  # microseconds
         return busy / 1e6 / wall if wall > 0 else float("nan")
+
+
+Work = dict[Any, list[tuple[float, float, Any, str]]]  # stream: (start, end, correlation, name)
+
+
+def _trace(
+    events: list[dict[str, Any]],
+) -> tuple[dict[Any, tuple[float, float, str, Any]], dict[tuple[Any, str], list[float]], Work]:
+    """A chrome trace's CUDA API calls by correlation id ``(begin, end, name, thread)``, their
+    durations by ``(thread, name)``, and each stream's kernels, copies and memsets (us)."""
+    calls: dict[Any, tuple[float, float, str, Any]] = {}
+    api: dict[tuple[Any, str], list[float]] = {}
+    work: Work = {}
+    for e in events:
+        cat, args = e.get("cat", ""), e.get("args") or {}
+        if cat in ("cuda_runtime", "cuda_driver"):
+            ts, dur = float(e["ts"]), float(e.get("dur", 0))
+            calls[args.get("correlation")] = (ts, ts + dur, e.get("name", ""), e.get("tid"))
+            api.setdefault((e.get("tid"), e.get("name", "")), []).append(dur)
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in args:
+            start = float(e["ts"])
+            work.setdefault(args["stream"], []).append(
+                (start, start + float(e.get("dur", 0)), args.get("correlation"), e.get("name", ""))
+            )
+    return calls, api, work
 
 
 def stream_gaps(events: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -81,25 +101,16 @@ def stream_gaps(events: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     busiest): kernels, busy, host and device gaps (s), the median launch-to-start latency (us),
     and the threads (ids) that launched its kernels, with their share.
     """
-    launches: dict[Any, tuple[float, Any]] = {}
-    work: dict[Any, list[tuple[float, float, Any]]] = {}
-    for e in events:
-        cat, args = e.get("cat", ""), e.get("args") or {}
-        if cat in ("cuda_runtime", "cuda_driver") and "aunch" in e.get("name", ""):
-            launches[args.get("correlation")] = (float(e["ts"]), e.get("tid"))
-        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in args:
-            start = float(e["ts"])
-            work.setdefault(args["stream"], []).append(
-                (start, start + float(e.get("dur", 0)), args.get("correlation"))
-            )
+    calls, _, work = _trace(events)
+    launches = {c: (begin, tid) for c, (begin, _, name, tid) in calls.items() if "aunch" in name}
     out: dict[str, Any] = {}
-    for stream, items in sorted(work.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1]))[:4]:
+    for stream, items in sorted(work.items(), key=lambda kv: -sum(b - a for a, b, *_ in kv[1]))[:4]:
         items.sort()
         host = device = 0.0
         latency: list[float] = []
         threads: Counter[Any] = Counter()
         prev_end = None
-        for start, end, corr in items:
+        for start, end, corr, _ in items:
             launch = launches.get(corr)
             if launch is not None:
                 latency.append(start - launch[0])
@@ -113,7 +124,7 @@ def stream_gaps(events: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         n = sum(threads.values()) or 1
         out[str(stream)] = {
             "kernels": len(items),
-            "busy_s": round(sum(b - a for a, b, _ in items) / 1e6, 4),
+            "busy_s": round(sum(b - a for a, b, *_ in items) / 1e6, 4),
             "gap_host_s": round(host / 1e6, 4),
             "gap_device_s": round(device / 1e6, 4),
             "launch_to_start_median_us": round(latency[len(latency) // 2], 1) if latency else None,
@@ -153,20 +164,7 @@ def gap_detail(events: list[dict[str, Any]]) -> dict[str, Any]:
     card ran nothing. Also: the launch and sync calls that took the most time, by thread, and
     the largest gaps with their kernel and call.
     """
-    calls: dict[Any, tuple[float, float, str, Any]] = {}
-    api: dict[tuple[Any, str], list[float]] = {}
-    work: dict[Any, list[tuple[float, float, Any, str]]] = {}
-    for e in events:
-        cat, args = e.get("cat", ""), e.get("args") or {}
-        if cat in ("cuda_runtime", "cuda_driver"):
-            ts, dur = float(e["ts"]), float(e.get("dur", 0))
-            calls[args.get("correlation")] = (ts, ts + dur, e.get("name", ""), e.get("tid"))
-            api.setdefault((e.get("tid"), e.get("name", "")), []).append(dur)
-        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in args:
-            start = float(e["ts"])
-            work.setdefault(args["stream"], []).append(
-                (start, start + float(e.get("dur", 0)), args.get("correlation"), e.get("name", ""))
-            )
+    calls, api, work = _trace(events)
     if not work:
         return {}
     merged = {s: _merge([(a, b) for a, b, _, _ in items]) for s, items in work.items()}

@@ -56,7 +56,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from agentrl.errors import ConfigError
-from agentrl.kernels.transfer import wait_for
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.diagnostics import mismatch_stats, tis_weights, trainer_logprobs_by_sample
 from agentrl.learner.distributed import (
@@ -257,7 +256,6 @@ class Learner(LearnerWeights):
             routing.after_update(followed, lambda m: self._probe(prepared, m), stats)
             self._routing = None
         pre = old_trainer if old_trainer is not None else first
-        wait_for(self.device)  # then the reads below do not stall the engine thread's launches
         merged, by_sample = stats.merged(trainer_logprobs_by_sample(samples, pre))
         self.last_trainer_logprobs = [
             by_sample[i].tolist() if i in by_sample else None for i in range(len(samples))
