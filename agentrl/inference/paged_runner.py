@@ -34,7 +34,14 @@ import torch
 from agentrl.inference.kv_cache import PagedKVCache
 from agentrl.inference.sampling import row_keys, sample
 from agentrl.kernels import invariant
-from agentrl.kernels.fused_layer import _rms_norm, layer_post, layer_pre
+from agentrl.kernels.fused_layer import (
+    _rms_norm,
+    layer_first,
+    layer_last,
+    layer_mid,
+    layer_post,
+    layer_pre,
+)
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.packed_body import unsupported_reason
 from agentrl.kernels.paged_attention import QueryBlocks, paged_attention, tile_rows
@@ -70,6 +77,10 @@ class PagedRunner:
             attention tiles and the sampled tokens' log-probs through batch-invariant kernels,
             so a token's log-prob equals, bit for bit, what the learner's exact mode computes
             for it (CUDA, bf16 or fp16 ``compute_dtype``). Layers run uncompiled.
+        fuse_seams: cut the layers at attention (:func:`~agentrl.kernels.fused_layer.layer_mid`:
+            one layer's half after attention with the next one's before, the KV write
+            included), so that compiled, a layer boundary is no kernel boundary; off: one
+            function per half-layer and the KV write apart (for ``benchmarks/decode_kernels.py``).
     """
 
     def __init__(
@@ -85,6 +96,7 @@ class PagedRunner:
         compile: bool = False,
         emulate_precision_casts: bool = False,
         batch_invariant: bool = False,
+        fuse_seams: bool = True,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -124,8 +136,10 @@ class PagedRunner:
             probe = torch.zeros(1, dtype=self.base.embed_tokens.weight.dtype, device=self.device)
             cos, sin = self.base.rotary_emb(probe, pos)
         self.cos, self.sin = cos[0], sin[0]
-        self._pre: Any = layer_pre
-        self._post: Any = layer_post
+        self.fuse_seams = fuse_seams
+        fns: list[Any] = (
+            [layer_first, layer_mid, layer_last] if fuse_seams else [layer_pre, layer_post]
+        )
         self.prefill_tokens = PREFILL_TOKENS_PER_BLOCK
         self._tile: Callable[[int], int] = partial(tile_rows, self.group)  # tokens -> tile rows
         if batch_invariant:
@@ -136,12 +150,11 @@ class PagedRunner:
                 raise ValueError(f"batch_invariant: {why}")
             rows, self.prefill_tokens = invariant.tiles(self.group)
             self._tile = lambda tokens: rows
-            self._pre = partial(layer_pre, exact=True)
-            self._post = partial(layer_post, exact=True)
+            fns = [partial(f, exact=True) for f in fns]
         elif compile:
             options: dict[str, Any] = {"emulate_precision_casts": emulate_precision_casts}
-            self._pre = torch.compile(layer_pre, dynamic=True, options=options)
-            self._post = torch.compile(layer_post, dynamic=True, options=options)
+            fns = [torch.compile(f, dynamic=True, options=options) for f in fns]
+        self._fns = fns
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
         self.buckets.append(max_batch_size)
@@ -209,22 +222,28 @@ class PagedRunner:
         """Final-norm hidden states ``(N, H)`` of packed tokens; writes their KV at ``slots``."""
         x = torch.nn.functional.embedding(ids, self.base.embed_tokens.weight)
         cos, sin = self.cos[pos], self.sin[pos]
-        scale = self.sizes[2] ** -0.5
-        for i, (pre, post) in enumerate(self._weights):
-            q, k, v = self._pre(x, cos, sin, *pre)
-            self.cache.k[i].index_copy_(0, slots, k)
-            self.cache.v[i].index_copy_(0, slots, v)
-            attn = paged_attention(
-                q,
-                self.cache.k[i],
-                self.cache.v[i],
-                self.block_table,
-                blocks,
-                pos,
-                page_size=self.page_size,
-                scale=scale,
-            )
-            x = self._post(x, attn, *post)
+        k, v, w = self.cache.k, self.cache.v, self._weights
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return paged_attention(
+                q, k[i], v[i], self.block_table, blocks, pos,
+                page_size=self.page_size, scale=self.sizes[2] ** -0.5,
+            )  # fmt: skip
+
+        if self.fuse_seams:
+            first, mid, last = self._fns
+            q = first(x, cos, sin, k[0], v[0], slots, w[0][0])
+            for i in range(len(w) - 1):
+                x, q = mid(
+                    x, attend(i, q), cos, sin, k[i + 1], v[i + 1], slots, w[i][1], w[i + 1][0]
+                )
+            return last(x, attend(len(w) - 1, q), w[-1][1], self.base.norm.weight, self.eps)
+        pre_fn, post_fn = self._fns
+        for i, (pre, post) in enumerate(w):
+            q, kk, vv = pre_fn(x, cos, sin, *pre)
+            k[i].index_copy_(0, slots, kk)
+            v[i].index_copy_(0, slots, vv)
+            x = post_fn(x, attend(i, q), *post)
         norm = invariant.rms_norm if self.exact else _rms_norm
         return norm(x, self.base.norm.weight, self.eps)
 

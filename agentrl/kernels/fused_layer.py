@@ -6,6 +6,13 @@ gate/up weights concatenated and cast to the compute dtype once, and the matmul 
 exactly where the learner's ``torch.autocast`` casts them (residual stream and norms in float32).
 ``exact=True`` runs the matmuls and norms through :mod:`agentrl.kernels.invariant`'s
 batch-invariant kernels.
+
+The engine cuts its layers at attention, not between layers: :func:`layer_first` (layer 0's
+half before attention), :func:`layer_mid` (layer ``i``'s half after attention, then layer
+``i + 1``'s before) and :func:`layer_last` (the last layer's half after, then the final norm),
+each writing the new keys and values into the paged cache itself. Compiled, one function is
+one fused graph: the residual add meets the next layer's norm and the cache write meets the
+rotary in the same kernels, instead of a kernel boundary (and a launch) at each seam.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch.nn.functional as F
 
 from agentrl.kernels import invariant
 
-__all__ = ["exact_layer", "layer_post", "layer_pre"]
+__all__ = ["exact_layer", "layer_first", "layer_last", "layer_mid", "layer_post", "layer_pre"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,6 +87,75 @@ def layer_post(
     h = norm(x, ln, eps)
     gate, up = linear(h.to(w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, w_down)
+
+
+def _pre_and_write(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    pre: tuple[Any, ...],
+    exact: bool,
+) -> torch.Tensor:
+    ln, w_qkv, b_qkv, q_norm, k_norm, eps, sizes = pre
+    q, k, v = layer_pre(x, cos, sin, ln, w_qkv, b_qkv, q_norm, k_norm, eps, sizes, exact)
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return q
+
+
+def _post(x: torch.Tensor, attn: torch.Tensor, post: tuple[Any, ...], exact: bool) -> torch.Tensor:
+    w_o, b_o, ln, w_gate_up, w_down, eps = post
+    return layer_post(x, attn, w_o, b_o, ln, w_gate_up, w_down, eps, exact)
+
+
+def layer_first(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    pre: tuple[Any, ...],
+    exact: bool = False,
+) -> torch.Tensor:
+    """:func:`layer_pre` of the first layer; writes its keys and values at ``slots``; ``q``."""
+    return _pre_and_write(x, cos, sin, k_cache, v_cache, slots, pre, exact)
+
+
+def layer_mid(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    post: tuple[Any, ...],
+    pre: tuple[Any, ...],
+    exact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`layer_post` of a layer, then :func:`layer_pre` of the next: ``(x, q)``.
+
+    The next layer's keys and values go into ``k_cache``/``v_cache`` (its cache) at ``slots``.
+    """
+    x = _post(x, attn, post, exact)
+    return x, _pre_and_write(x, cos, sin, k_cache, v_cache, slots, pre, exact)
+
+
+def layer_last(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    post: tuple[Any, ...],
+    norm: torch.Tensor,
+    eps: float,
+    exact: bool = False,
+) -> torch.Tensor:
+    """:func:`layer_post` of the last layer, then the model's final norm."""
+    x = _post(x, attn, post, exact)
+    return (invariant.rms_norm if exact else _rms_norm)(x, norm, eps)
 
 
 def exact_layer(
