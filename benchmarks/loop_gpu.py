@@ -32,8 +32,12 @@ requests beside each timed step's end, wait, update and push), the in-process we
 
 The engine decodes every row the pipeline may start together (``--engine-rows``, default
 ``(max_staleness + 1) x tasks x group``); ``--tasks`` sets both sides' tasks a step;
-``--count-syncs`` counts agentrl's device-to-host synchronisations in the timed steps by part
-(engine, learner) and call site (torch's sync debug mode; it slows the steps a little);
+``--decode-steps`` sets the engine's decode steps between two visits of the host
+(``inference.decode_steps``), ``--resume-settle-ms`` how long it waits after a resume for the
+re-sent requests to arrive (``RESUME_SETTLE_MAX_S``; rows paused in place wait too; the
+in-process engine only); ``--count-syncs`` counts agentrl's device-to-host synchronisations
+in the timed steps by part (engine, learner) and call site (torch's sync debug mode; it slows
+the steps a little);
 ``--stream-gaps`` splits each CUDA stream's idle time in the timed steps into the part before
 the next kernel was even launched (its thread was late: host-bound) and the part it waited
 once launched (the card), with the launching threads (``stream_gaps``; untried on a card
@@ -65,6 +69,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import agentrl.inference.engine as engine_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -139,6 +145,8 @@ def agentrl_loop(
     gaps: bool = False,
     inflight: int | None = None,
     interrupt_mode: str = "abort",
+    decode_steps: int | None = None,
+    settle_ms: float | None = None,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
@@ -151,6 +159,9 @@ def agentrl_loop(
     """
     from agentrl.loop.trainer import Trainer
 
+    if settle_ms is not None:  # a module constant, not a setting: set for this run only
+        engine_module.RESUME_SETTLE_MAX_S = settle_ms / 1e3
+
     w = WORKLOADS[name]
     rows = engine_rows or (staleness + 1) * w["tasks"] * w["group"]
     inflight = (inflight or (staleness + 1) * w["tasks"]) if staleness else None
@@ -160,7 +171,7 @@ def agentrl_loop(
         "run_dir": run_dir, "seed": 0,
         "model": {"tiny": dict(w["model"], max_position_embeddings=4096), "dtype": w["dtype"],
                   "device": "auto"},
-        "inference": {"max_batch_size": rows},
+        "inference": {"max_batch_size": rows, "decode_steps": decode_steps or 8},
         "env": {"id": "bench-hash-v0", "num_train_tasks": 4096, "num_eval_tasks": 1},
         "rollout": {"group_size": w["group"], "max_turns": 1, "max_new_tokens": w["new_tokens"],
                     "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
@@ -344,6 +355,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--steps", type=int, default=4, help="timed steps per side")
+    ap.add_argument("--trl-steps", type=int, help="TRL's timed steps (default: --steps)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--response-tokens", type=int, default=256, help="qwen3-0.6b responses")
     ap.add_argument("--no-trl", action="store_true")
@@ -363,6 +375,13 @@ def main() -> None:
     ap.add_argument("--inflight-groups", type=int, nargs="+", default=[None],
                     help="train.max_inflight_groups (default: all the staleness bound admits, "
                          "(max_staleness + 1) x tasks); several: side by side")  # fmt: skip
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
+                    help="inference.decode_steps: the engine's decode steps between host visits "
+                         "(default 8, the setting's default); several: side by side")  # fmt: skip
+    ap.add_argument("--resume-settle-ms", type=float, nargs="+", default=[None],
+                    help="the in-process engine's wait for re-sent requests after a resume "
+                         "(RESUME_SETTLE_MAX_S, 50 ms; 0: none); several: side by side"
+                    )  # fmt: skip
     ap.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[32768],
                     help="learner.micro_batch_tokens (2 micro-batches of the 0.6B step at 16,384, "
                          "1 at 32,768: half the launches); several: side by side")  # fmt: skip
@@ -380,19 +399,25 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for name in a.workloads:
         runs: dict[str, dict[str, Any]] = {}
-        for engine, switch_ms, mbt, inflight, mode in itertools.product(
+        settle_default = engine_module.RESUME_SETTLE_MAX_S
+        for engine, switch_ms, mbt, inflight, mode, steps, settle in itertools.product(
             a.engine,
             a.switch_interval_ms,
             a.micro_batch_tokens,
             a.inflight_groups,
             a.interrupt_mode,
+            a.decode_steps,
+            a.resume_settle_ms,
         ):
+            engine_module.RESUME_SETTLE_MAX_S = settle_default
             WORKLOADS[name]["micro_batch_tokens"] = mbt
             ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
                                 a.count_syncs, switch_ms, engine == "process",
-                                a.stream_gaps, inflight, mode)  # fmt: skip
+                                a.stream_gaps, inflight, mode, steps, settle)  # fmt: skip
             label = (f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}, "
-                     f"in-flight groups {ours['inflight_groups']}, interrupt {mode}")  # fmt: skip
+                     f"in-flight groups {ours['inflight_groups']}, interrupt {mode}, "
+                     f"decode steps {steps or 8}, resume settle "
+                     f"{settle_default * 1e3 if settle is None else settle:g} ms")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",
                     "engine_running_rows")  # fmt: skip
@@ -408,7 +433,7 @@ def main() -> None:
             gc.collect()  # the trainer's cycles, then its cached blocks
             torch.cuda.empty_cache()
         ours["runs"] = runs
-        trl = None if a.no_trl else trl_loop(name, a.steps, a.warmup)
+        trl = None if a.no_trl else trl_loop(name, a.trl_steps or a.steps, a.warmup)
         torch.cuda.empty_cache()
         results[name] = {"agentrl": ours, "trl": trl}
         split = ", ".join(f"{k} {v:.2f}" for k, v in ours["time_split_s"].items())
