@@ -292,13 +292,15 @@ class EngineRows:
             self.timeline.append((ms, int(running), int(waiting)))
 
     def stop(self) -> dict[str, float]:
-        """Stop; ``mean`` running rows and ``active`` (share of samples with any)."""
+        """Stop; ``mean`` running rows, ``active`` (share of samples with any) and ``queued``
+        (share with none running but some open: queued, settling or in their first prefill)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         n = len(self.samples) or 1
+        queued = sum(r == 0 and w > 0 for _, r, w in self.timeline)
         return {"mean": sum(self.samples) / n, "active": sum(x > 0 for x in self.samples) / n,
-                "samples": len(self.samples)}  # fmt: skip
+                "queued": queued / n, "samples": len(self.samples)}  # fmt: skip
 
 
 def server_running_rows(url: str) -> int:

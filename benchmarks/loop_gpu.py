@@ -26,8 +26,10 @@ interval on the card, from a CUDA-only ``torch.profiler`` trace of the timed ste
 wall time; ``gpu_busy_nvidia_smi``: ``nvidia-smi`` utilisation sampled every 100
 ms over the timed steps: the share of time a kernel was running; both stop at the last timed
 step, before the run's final evaluation and checkpoint), the engine's running rows (sampled
-every 10 ms over the timed steps; a ``[timeline]`` line gives each sample's running and waiting
-requests beside each timed step's end, wait, update and push), the in-process weight push
+every 10 ms over the timed steps, with the share of samples where requests were open but none
+ran: queued, settling after a resume, or in their first prefill; a ``[timeline]`` line gives
+each sample's running and waiting requests beside each timed step's end, wait, update and
+push), the in-process weight push
 (``time/sync_s``) and response tokens whose groups finished during updates (overlap).
 
 The engine decodes every row the pipeline may start together (``--engine-rows``, default
@@ -454,7 +456,8 @@ def main() -> None:
         )
         seen = ours["engine_running_rows"]
         print(f"    engine rows {ours['engine_rows']}; running: mean {seen['mean']:.1f}, "
-              f"any {seen['active']:.1%} of {seen['samples']} samples")  # fmt: skip
+              f"any {seen['active']:.1%} of {seen['samples']} samples; none running but some "
+              f"queued {seen['queued']:.1%}")  # fmt: skip
         print(f"    allocator per step {ours['allocator_per_step']}")
         if ours["syncs_per_step"]:
             print(f"    syncs per step {ours['syncs_per_step']}")
