@@ -108,6 +108,26 @@ def test_bf16_engine_computes_what_the_learner_computes():
     assert gap <= ENGINE_TOL, gap
 
 
+def test_layers_cut_at_attention_compute_what_half_layers_compute():
+    """fuse_seams (a layer's half after attention with the next one's before, the KV write in
+    between) changes where the functions end, not one number: both caches and log-probs equal."""
+    model = _model(layers=3)
+    seq = torch.randint(3, 2048, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    index = list(range(len(seq) - 1))
+    out, caches = {}, {}
+    for fused in (True, False):
+        runner = PagedRunner(
+            copy.deepcopy(model), num_pages=8, page_size=16, max_batch_size=2, max_model_len=64,
+            compute_dtype=BF16, cuda_graphs=False, fuse_seams=fused,
+        )  # fmt: skip
+        out[fused] = _teacher_forced(runner, seq, index)
+        caches[fused] = (runner.cache.k.clone(), runner.cache.v.clone())
+    assert torch.equal(out[True], out[False])
+    assert torch.equal(caches[True][0], caches[False][0])
+    assert torch.equal(caches[True][1], caches[False][1])
+    assert caches[True][0].abs().sum() > 0  # the keys were written
+
+
 def test_compiled_layers_round_as_the_eager_layers():
     model = _model(layers=1)
     seq = torch.randint(3, 2048, (40,), generator=torch.Generator().manual_seed(1)).tolist()
