@@ -172,7 +172,7 @@ def make_local_engine(
     inf = config.inference
     params = inspect.signature(LocalEngine.__init__).parameters
     kwargs: dict[str, Any] = {"max_batch_size": inf.max_batch_size}
-    kwargs["decode_steps"] = inf.decode_steps
+    kwargs["decode_steps"] = inf.decode_steps  # used on the paged path (a card) only
     device = next(model.parameters()).device
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
     if device.type == "cuda" and "kv_cache_gib" in params:  # the paged engine sizes its cache
