@@ -89,23 +89,6 @@ def layer_post(
     return x + linear(F.silu(gate) * up, w_down)
 
 
-def _pre_and_write(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    pre: tuple[Any, ...],
-    exact: bool,
-) -> torch.Tensor:
-    ln, w_qkv, b_qkv, q_norm, k_norm, eps, sizes = pre
-    q, k, v = layer_pre(x, cos, sin, ln, w_qkv, b_qkv, q_norm, k_norm, eps, sizes, exact)
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
-    return q
-
-
 def _post(x: torch.Tensor, attn: torch.Tensor, post: tuple[Any, ...], exact: bool) -> torch.Tensor:
     w_o, b_o, ln, w_gate_up, w_down, eps = post
     return layer_post(x, attn, w_o, b_o, ln, w_gate_up, w_down, eps, exact)
@@ -121,8 +104,16 @@ def layer_first(
     pre: tuple[Any, ...],
     exact: bool = False,
 ) -> torch.Tensor:
-    """:func:`layer_pre` of the first layer; writes its keys and values at ``slots``; ``q``."""
-    return _pre_and_write(x, cos, sin, k_cache, v_cache, slots, pre, exact)
+    """A layer's half before attention (:func:`layer_pre`) and its cache write: ``q``.
+
+    Its keys and values go into ``k_cache``/``v_cache`` at ``slots``. The engine runs it for the
+    first layer; :func:`layer_mid` runs it for the next one.
+    """
+    ln, w_qkv, b_qkv, q_norm, k_norm, eps, sizes = pre
+    q, k, v = layer_pre(x, cos, sin, ln, w_qkv, b_qkv, q_norm, k_norm, eps, sizes, exact)
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return q
 
 
 def layer_mid(
@@ -142,7 +133,7 @@ def layer_mid(
     The next layer's keys and values go into ``k_cache``/``v_cache`` (its cache) at ``slots``.
     """
     x = _post(x, attn, post, exact)
-    return x, _pre_and_write(x, cos, sin, k_cache, v_cache, slots, pre, exact)
+    return x, layer_first(x, cos, sin, k_cache, v_cache, slots, pre, exact)
 
 
 def layer_last(
