@@ -139,6 +139,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+MISMATCH_KEYS = (  # engine vs learner log-probs: the version trained, older ones
+    "mismatch/numeric_mean_abs",
+    "mismatch/numeric_max_abs",
+    "mismatch/lag_mean_abs",
+    "mismatch/lag_max_abs",
+)
+
+
 def agentrl_loop(
     name: str,
     steps: int,
@@ -275,6 +283,10 @@ def agentrl_loop(
         "engine": "process" if engine_process else "thread",
         "weight_push_s": min(r["time/sync_s"] for r in timed),
         "overlap_tokens_per_step": sum(r.get("pipeline/overlap_tokens", 0) for r in timed) / steps,
+        # engine vs learner log-probs of the trained tokens, the timed steps' mean of each
+        # figure: numeric (tokens of the version trained; rollout.interrupt_mode=in_place adds
+        # its stale prefixes here) and lag (older versions)
+        "mismatch": {k.split("/")[1]: _mean_of(timed, k) for k in MISMATCH_KEYS},
         "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "engine_rows": rows,
@@ -302,6 +314,11 @@ def agentrl_loop(
         },
         "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
+
+
+def _mean_of(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if key in r]
+    return sum(values) / len(values) if values else None
 
 
 def trl_loop(name: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -426,7 +443,7 @@ def main() -> None:
                      f"{settle_default * 1e3 if settle is None else settle:g} ms")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",
-                    "engine_running_rows")  # fmt: skip
+                    "engine_running_rows", "mismatch")  # fmt: skip
             runs[label] = {k: ours[k] for k in keys}
             update = ours["time_split_s"]["update"]
             if ours["stream_gaps"]:
@@ -435,7 +452,8 @@ def main() -> None:
             print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
                   f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
                   f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
-                  f"{ours['engine_running_rows']}", flush=True)  # fmt: skip
+                  f"{ours['engine_running_rows']}, mismatch {ours['mismatch']}",
+                  flush=True)  # fmt: skip
             gc.collect()  # the trainer's cycles, then its cached blocks
             torch.cuda.empty_cache()
         ours["runs"] = runs
