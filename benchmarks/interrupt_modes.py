@@ -10,7 +10,7 @@ in float32 when prefix and token agree), not in ``mismatch/lag_*``.
 
 The workload keeps turns in flight at every push: few rows (``--tasks`` x ``--group``) and long
 responses (``--new-tokens``, EOS ignored), so that generating a step's groups outlasts an
-update; the reward is ``loop_gpu.py``'s seeded hash of the response. The tiny model in float32
+update; the reward is a seeded hash of the response (``_hash_env``). The tiny model in float32
 on the CPU (``model.device=cpu``) or the card (``--device auto``), every mode from the same seed,
 side by side in one process. Reported per mode, over the run's steps: ``mismatch/numeric_*``
 and ``mismatch/lag_*`` (mean of the steps' values, and the largest), interrupted and resumed
@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import loop_gpu  # noqa: E402, F401  (registers bench-hash-v0)
+import _hash_env  # noqa: E402, F401  (registers bench-hash-v0)
 
 from agentrl.config import load_config  # noqa: E402
 from agentrl.loop.trainer import Trainer  # noqa: E402

@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hashlib
 import itertools
 import json
 import sys
@@ -81,6 +80,7 @@ import agentrl.inference.engine as engine_module
 sys.path.insert(0, str(Path(__file__).parent))
 
 # benchmarks/ is a folder of scripts, not a package
+from _hash_env import HashEnv, hashed_reward  # noqa: E402
 from _loop_probes import (  # noqa: E402
     EngineRows,
     GpuBusy,
@@ -92,9 +92,7 @@ from _loop_probes import (  # noqa: E402
 from _serve import start_server, stop_server  # noqa: E402
 
 from agentrl.config import dump_config, load_config  # noqa: E402
-from agentrl.env import Env, StepResult, register  # noqa: E402
 from agentrl.tiny import QWEN3_0_6B_SHAPE  # noqa: E402
-from agentrl.types import Message, Task  # noqa: E402
 
 GPU_SMALL_MODEL = {
     "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
@@ -102,34 +100,6 @@ GPU_SMALL_MODEL = {
 }  # fmt: skip
 Q06_MODEL = {k: v for k, v in QWEN3_0_6B_SHAPE.items() if k != "vocab_size"}
 
-
-def hashed_reward(text: str, seed: int = 0) -> float:
-    """A reward in [0, 1) that depends only on the text (the same on both sides)."""
-    digest = hashlib.sha256(f"{seed}/{text}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") / 2**32
-
-
-class HashEnv(Env):
-    """One turn: the question, then a hashed reward of the answer."""
-
-    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
-        """Show the question."""
-        return [Message(role="user", content=task.prompt)], {}
-
-    async def step(self, action: str) -> StepResult:
-        """Score the answer by its hash."""
-        return StepResult(reward=hashed_reward(action), terminated=True)
-
-    @classmethod
-    def sample_tasks(cls, n: int, *, seed: int = 0, split: str = "train") -> list[Task]:
-        """Three-digit sums as questions."""
-        g = torch.Generator().manual_seed(seed + (split == "test"))
-        ab = torch.randint(100, 1000, (n, 2), generator=g).tolist()
-        return [Task(id=f"{split}-{i}", prompt=f"{a}+{b}", answer=str(a + b)) for i, (a, b) in
-                enumerate(ab)]  # fmt: skip
-
-
-register("bench-hash-v0", HashEnv)
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "gpu-small": {"model": GPU_SMALL_MODEL, "dtype": "float32", "tasks": 32, "group": 8,

@@ -193,11 +193,12 @@ class Pipeline:
 
         self.max_staleness = cfg.max_staleness
         self.tokens_per_step = None if cfg.tokens_per_step is None else -(-cfg.tokens_per_step // n)
-        admitted = (cfg.max_staleness + 1) * cfg.tasks_per_step  # see "Admission"
-        self.max_inflight = share(cfg.max_inflight_groups or admitted)
         budget = self.tokens_per_step or share(cfg.tasks_per_step)
         self._budget = budget  # in tokens, or in groups without a token budget
         self._admit = (cfg.max_staleness + 1) * share(cfg.tasks_per_step)  # see "Admission"
+        # by default as many as admission allows
+        cap = cfg.max_inflight_groups
+        self.max_inflight = share(cap) if cap else self._admit
         self._taken_before_served = 0  # groups taken by the steps before the served version
         self.stats = PipelineStats()
         self._tasks: deque[tuple[int, Task]] = deque()
