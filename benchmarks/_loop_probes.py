@@ -29,6 +29,7 @@ class KernelBusy:
         self._t0 = 0.0
         self._want_gaps = gaps
         self.gaps: dict[str, Any] = {}
+        self.timeline: dict[str, Any] = {}  # card_timeline of the traced span
 
     def start(self) -> None:
         """Start tracing kernels."""
@@ -55,11 +56,13 @@ class KernelBusy:
             for t in threading.enumerate():  # traces name a thread by its id or its pthread id
                 names[str(t.native_id)] = names[str((t.ident or 0) & 0xFFFFFFFF)] = t.name
             self.gaps["thread_names"] = names
-        spans = sorted(
-            (e.time_range.start, e.time_range.end)
+        kernels = [
+            (e.time_range.start, e.time_range.end, e.device_resource_id)
             for e in self._prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA
-        )
+        ]  # times in us from the trace's start; the resource is the stream
+        self.timeline = card_timeline(kernels, wall)
+        spans = sorted((a, b) for a, b, _ in kernels)
         busy = sum(b - a for a, b in _merge(spans))  # microseconds
         return busy / 1e6 / wall if wall > 0 else float("nan")
 
@@ -359,3 +362,115 @@ def allocator_counts() -> dict[str, int]:
         "alloc_retries": stats.get("num_alloc_retries", 0),
         "sync_all_streams": stats.get("num_sync_all_streams", 0),
     }
+
+
+def card_timeline(
+    spans: list[tuple[float, float, int]], wall_s: float, bucket_ms: float = 10.0
+) -> dict[str, Any]:
+    """The card's busy share per ``bucket_ms`` (all streams, and the two busiest apart) and
+    its idle gaps, from kernel spans ``(start_us, end_us, stream)`` relative to the trace start.
+
+    ``idle_by_gap``: idle time (s) by gap length; ``idle_gaps``: ``[start_ms, ms]`` of every
+    gap over 2 ms. Tells whether the card idles in a few long holes (the loop waiting) or
+    in many short ones (launches).
+    """
+    n = max(int(wall_s * 1e3 / bucket_ms) + 1, 1)
+    width = bucket_ms * 1e3
+
+    def per_bucket(merged: list[tuple[float, float]]) -> list[int]:
+        got = [0.0] * n
+        for a, b in merged:
+            i = int(a // width)
+            while i < n and a < b:
+                edge = min(b, (i + 1) * width)
+                got[i] += edge - a
+                a, i = edge, i + 1
+        return [round(100 * g / width) for g in got]
+
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    for a, b, s in spans:
+        by_stream.setdefault(s, []).append((a, b))
+    merged = {s: _merge(v) for s, v in by_stream.items()}
+    top = sorted(merged, key=lambda s: -sum(b - a for a, b in merged[s]))[:2]
+    every = _merge([(a, b) for a, b, _ in spans])
+    buckets = {"<0.1ms": 0.0, "0.1-1ms": 0.0, "1-10ms": 0.0, "10-50ms": 0.0, ">50ms": 0.0}
+    gaps: list[list[float]] = []
+    prev = 0.0
+    for a, b in every + [(wall_s * 1e6, wall_s * 1e6)]:
+        gap = a - prev
+        if gap > 0:
+            key = ("<0.1ms" if gap < 100 else "0.1-1ms" if gap < 1e3 else "1-10ms" if gap < 1e4
+                   else "10-50ms" if gap < 5e4 else ">50ms")  # fmt: skip
+            buckets[key] += gap / 1e6
+            if gap > 2e3:
+                gaps.append([round(prev / 1e3, 1), round(gap / 1e3, 1)])
+        prev = max(prev, b)
+    return {
+        "bucket_ms": bucket_ms,
+        "busy_pct": per_bucket(every),
+        "streams": {str(s): per_bucket(merged[s]) for s in top},
+        "idle_by_gap": {k: round(v, 4) for k, v in buckets.items()},
+        "idle_gaps": gaps,
+    }
+
+
+class EngineSteps:
+    """The in-process engine's steps, pauses, resumes and arrivals, timed (ms since ``start``).
+
+    Wraps the engine's batcher ``compute`` (worker thread) and ``submit``, and its ``pause`` and
+    ``resume``: each computed plan is ``[start, end, decode rows, joining requests, their
+    tokens, decode steps]``; ``events`` holds ``[ms, "pause" | "resume" | "push+" | "push-"]``
+    and ``arrivals`` the submit times.
+    """
+
+    def __init__(self, engine: Any, trainer: Any) -> None:
+        self.t0: float | None = None
+        self.steps: list[list[float]] = []
+        self.events: list[list[Any]] = []
+        self.arrivals: list[float] = []
+        batcher = engine._batcher
+        compute, submit = batcher.compute, batcher.submit
+        pause, resume, sync = engine.pause, engine.continue_generation, trainer.sync_weights
+
+        def now() -> float | None:
+            return None if self.t0 is None else round((time.perf_counter() - self.t0) * 1e3, 2)
+
+        def timed_compute(plan: Any) -> Any:
+            a = now()
+            out = compute(plan)
+            if a is not None:
+                joining = sum(len(r.prompt) + len(r.output_ids) for r in plan.admit)
+                self.steps.append([a, now(), len(plan.decode), len(plan.admit), joining,
+                                   plan.steps])  # fmt: skip
+            return out
+
+        def timed_submit(req: Any) -> None:
+            if self.t0 is not None:
+                self.arrivals.append(now())  # type: ignore[arg-type]
+            submit(req)
+
+        def mark(name: str, fn: Any) -> Any:
+            async def wrapped(*a: Any, **k: Any) -> Any:
+                if self.t0 is not None:
+                    self.events.append([now(), name + "+"])
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    if self.t0 is not None:
+                        self.events.append([now(), name + "-"])
+
+            return wrapped
+
+        batcher.compute, batcher.submit = timed_compute, timed_submit
+        engine.pause = mark("pause", pause)
+        engine.resume = engine.continue_generation = mark("resume", resume)
+        trainer.sync_weights = mark("push", sync)
+
+    def start(self, t0: float) -> None:
+        """Record from now on, on the clock that starts at ``t0`` (``perf_counter``)."""
+        self.t0 = t0
+
+    def stop(self) -> dict[str, Any]:
+        """Stop recording; the records."""
+        self.t0 = None
+        return {"steps": self.steps, "events": self.events, "arrivals": self.arrivals}

@@ -83,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _hash_env import HashEnv, hashed_reward  # noqa: E402
 from _loop_probes import (  # noqa: E402
     EngineRows,
+    EngineSteps,
     GpuBusy,
     KernelBusy,
     SyncCount,
@@ -200,6 +201,7 @@ def agentrl_loop(
         (lambda: tuple(trainer.client.stats()[k]
                        for k in ("num_running_reqs", "num_waiting_reqs")))
     )  # fmt: skip
+    engine_steps = None if url else EngineSteps(trainer.client, trainer)
     marks: dict[int, float] = {}
 
     t_start = time.perf_counter()
@@ -215,11 +217,14 @@ def agentrl_loop(
                 busy.start()
                 kernels.start()
                 rows_seen.start()
+                if engine_steps is not None:
+                    engine_steps.start(rows_seen.t0)
                 if count_syncs:
                     syncs.start()
             if int(rec["step"]) == warmup + steps:  # before the run's final eval and checkpoint
                 syncs.stop()
                 seen.update(running=rows_seen.stop(), smi=busy.stop(), kernels=kernels.stop())
+                seen["engine_steps"] = engine_steps.stop() if engine_steps else None
                 end = allocator_counts()
                 seen["alloc"] = {k: (end[k] - seen["alloc0"][k]) / steps for k in end}
 
@@ -281,6 +286,11 @@ def agentrl_loop(
                 }
                 for r in timed
             ],
+            # the engine's computed plans, pauses, resumes, pushes and arrivals; the card's
+            # busy share per 10 ms and idle gaps, its clock `card_offset_ms` ahead of this one
+            "engine": seen["engine_steps"],
+            "card": kernels.timeline,
+            "card_offset_ms": round((kernels._t0 - rows_seen.t0) * 1e3, 2),
         },
         "sync_sites_per_step": {k: v / steps for k, v in syncs.sites.most_common(12)},
     }
