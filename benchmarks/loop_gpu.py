@@ -29,8 +29,10 @@ step, before the run's final evaluation and checkpoint), the engine's running ro
 every 10 ms over the timed steps, with the share of samples where requests were open but none
 ran: queued, settling after a resume, or in their first prefill; a ``[timeline]`` line gives
 each sample's running and waiting requests beside each timed step's end, wait, update and
-push), the in-process weight push
-(``time/sync_s``) and response tokens whose groups finished during updates (overlap).
+push, the card's busy share every 10 ms and its idle gaps (``_loop_probes.card_timeline``), and
+the in-process engine's plans, pauses, resumes, pushes and arrivals (``EngineSteps``)), the
+in-process weight push (``time/sync_s``) and response tokens whose groups finished during
+updates (overlap).
 
 The engine decodes every row the pipeline may start together (``--engine-rows``, default
 ``(max_staleness + 1) x tasks x group``); ``--tasks`` sets both sides' tasks a step;
