@@ -158,7 +158,8 @@ def agentrl_loop(
         "run_dir": run_dir, "seed": 0,
         "model": {"tiny": dict(w["model"], max_position_embeddings=4096), "dtype": w["dtype"],
                   "device": "auto"},
-        "inference": {"max_batch_size": rows, "decode_steps": decode_steps or 8},
+        "inference": {"max_batch_size": rows,
+                      **({"decode_steps": decode_steps} if decode_steps else {})},
         "env": {"id": "bench-hash-v0", "num_train_tasks": 4096, "num_eval_tasks": 1},
         "rollout": {"group_size": w["group"], "max_turns": 1, "max_new_tokens": w["new_tokens"],
                     "max_total_tokens": w["new_tokens"] + 64, "ignore_eos": w["ignore_eos"],
@@ -267,6 +268,7 @@ def agentrl_loop(
         "learner_tokens_per_s": tokens / sum(r["time/train_s"] for r in timed),
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "engine_rows": rows,
+        "decode_steps": config.inference.decode_steps,  # the setting's default unless given
         "inflight_groups": inflight,
         "engine_running_rows": running,
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
@@ -382,7 +384,7 @@ def main() -> None:
                          "(max_staleness + 1) x tasks); several: side by side")  # fmt: skip
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[None],
                     help="inference.decode_steps: the engine's decode steps between host visits "
-                         "(default 8, the setting's default); several: side by side")  # fmt: skip
+                         "(default: the setting's); several: side by side")  # fmt: skip
     ap.add_argument("--resume-settle-ms", type=float, nargs="+", default=[None],
                     help="the in-process engine's wait for re-sent requests after a resume "
                          "(RESUME_SETTLE_MAX_S, 50 ms; 0: none); several: side by side"
@@ -421,7 +423,7 @@ def main() -> None:
                                 a.stream_gaps, inflight, mode, steps, settle)  # fmt: skip
             label = (f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}, "
                      f"in-flight groups {ours['inflight_groups']}, interrupt {mode}, "
-                     f"decode steps {steps or 8}, resume settle "
+                     f"decode steps {ours['decode_steps']}, resume settle "
                      f"{settle_default * 1e3 if settle is None else settle:g} ms")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",

@@ -223,11 +223,12 @@ class PagedRunner:
         x = torch.nn.functional.embedding(ids, self.base.embed_tokens.weight)
         cos, sin = self.cos[pos], self.sin[pos]
         k, v, w = self.cache.k, self.cache.v, self._weights
+        scale = self.sizes[2] ** -0.5
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(
                 q, k[i], v[i], self.block_table, blocks, pos,
-                page_size=self.page_size, scale=self.sizes[2] ** -0.5,
+                page_size=self.page_size, scale=scale,
             )  # fmt: skip
 
         if self.fuse_seams:
