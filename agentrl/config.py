@@ -70,11 +70,11 @@ class InferenceConfig(_Section):
     """SGLang base URLs; empty means the embedded engine in this process."""
     max_batch_size: int = Field(64, ge=1)
     """Requests decoded together by the embedded engine."""
-    decode_steps: int = Field(8, ge=1)
-    """Embedded engine on a card: most decode steps it runs back to back between two visits of
-    the host, when no waiting request could join. A request arriving mid-run waits for the run's
-    end, and a row that stops mid-run idles until then. In the overlapped loop on an H100, 32
-    gave no gain over 8 (``benchmarks/README.md``)."""
+    decode_steps: int = Field(64, ge=1)
+    """Embedded engine on a card: most decode steps it runs back to back without the host. A run
+    ends early after the step where a row stops, a queued request could take a free row, or a
+    weight push pauses the engine (the host reads the steps 8 at a time, a chunk behind the
+    card), so long runs cost little latency; each run's end costs the card ~3 ms of idle time."""
     timeout_s: float = Field(300.0, gt=0)
     """Per-request HTTP timeout."""
     kv_cache_gib: float | None = Field(None, gt=0)

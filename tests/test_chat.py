@@ -51,6 +51,32 @@ def test_prompt_ids_match_template() -> None:
     assert tok.decode(chat.prompt_ids(msgs)).endswith("<|im_start|>assistant\n")
 
 
+def test_prompt_ids_render_a_repeated_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentrl.rollout.chat as chat_module
+
+    tok = build_tiny_tokenizer()
+    chat = ChatTokenizer(tok)
+    renders: list[str] = []
+    render = chat._render
+    monkeypatch.setattr(
+        chat, "_render", lambda m, **k: renders.append(m[-1]["content"]) or render(m, **k)
+    )
+    monkeypatch.setattr(chat_module, "PROMPT_CACHE_SIZE", 2)
+    q = [[Message(role="user", content=f"{i}+1")] for i in range(3)]
+    first = chat.prompt_ids(q[0])
+    first.append(-1)  # the caller's list is its own
+    assert chat.prompt_ids(q[0]) == full_ids(tok, q[0])  # a group's other episodes: no render
+    assert renders == ["0+1"]
+    chat.prompt_ids(q[1])
+    chat.prompt_ids(q[0])  # used last: kept when a third prompt comes
+    chat.prompt_ids(q[2])
+    chat.prompt_ids(q[0])
+    chat.prompt_ids(q[1])  # the least recently used one was dropped
+    assert renders == ["0+1", "1+1", "2+1", "1+1"]
+    other = [Message(role="system", content="0+1"), Message(role="user", content="0+1")]
+    assert chat.prompt_ids(other) == full_ids(tok, other)  # roles are part of the key
+
+
 def test_append_only_equals_full_render_for_canonical_tokens() -> None:
     # With a char tokenizer every sampled sequence is canonical, so both ways agree exactly.
     tok = build_tiny_tokenizer()

@@ -41,7 +41,7 @@ def test_every_part_is_on_the_card(tmp_path: Path) -> None:
         assert trainer.learner.device == card
         assert engine.device == card  # type: ignore[attr-defined]
         assert next(engine.model.parameters()).device == card  # type: ignore[attr-defined]
-        assert engine._batcher.decode_steps == 8  # type: ignore[attr-defined]  # the default
+        assert engine._batcher.decode_steps == 64  # type: ignore[attr-defined]  # the default
         summary = asyncio.run(trainer.run())
         assert summary["steps"] == 1
         lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -275,6 +275,7 @@ class Batcher:
         self.prefills = PrefillStats()
         self.routing: RoutingRecorder | None = None  # set by an engine that records routing
         self.step_rows: StepRows = []  # routing rows of the step computed, recorded at apply
+        self.cut_run = False  # the engine wants the model: a run of steps in flight ends soon
 
     def weights_changed(self) -> None:
         """New weights are loaded (the paged batcher drops its cached prefixes)."""

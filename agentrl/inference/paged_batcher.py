@@ -14,10 +14,14 @@ Batcher`'s; this subclass changes where the cache lives and how a step is comput
 - **Runs of steps.** When nothing can join (the queue is empty or every row is taken), a plan
   may hold up to ``decode_steps`` decode steps that the device runs back to back
   (:meth:`PagedRunner.decode_many`): pages for every step are given up front, and the run is
-  cut to the fewest tokens any row may still sample. A row that stops inside a run keeps the
-  tokens up to its stop; the rest are dropped (at most ``decode_steps - 1`` wasted positions).
-  Sampling keys depend only on (seed, token index), so a run samples exactly what single steps
-  would.
+  cut to the fewest tokens any row may still sample. The host reads the steps as they land
+  (on a card 8 at a time, a chunk behind it) and launches no more after the step where a row
+  sampled a stop token or was aborted, a queued request could take a free row, or the engine
+  wants the model (``cut_run``: a pause); so a long run costs little latency, and its end (the
+  host's round trip: ~3 ms of an idle card on an H100) is paid rarely. A row that stops inside
+  a run keeps the tokens up to its stop; the rest are dropped (at most ``2 * RUN_CHUNK - 1``
+  wasted positions on a card). Sampling keys depend only on (seed, token index), so a run
+  samples exactly what single steps would.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from agentrl.errors import ServerError
 from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
-from agentrl.inference.paged_runner import PagedRunner
+from agentrl.inference.paged_runner import PagedRunner, RunCut
 from agentrl.inference.sampling import row_keys
 from agentrl.kernels.transfer import device_context, to_device, to_host
 
@@ -93,6 +97,7 @@ class PagedBatcher(Batcher):
         self.prefix_cache = prefix_cache
         self.decode_steps = decode_steps
         self.epoch = 0
+        self._admitting = False  # the plan in flight was made with admission on
         self._free_rows = list(range(runner.max_batch_size - 1, -1, -1))
         self._table: list[tuple[int, int, int]] = []  # pending block-table writes (row, i, page)
 
@@ -140,6 +145,7 @@ class PagedBatcher(Batcher):
     def plan(self, *, admit: bool) -> StepPlan | None:
         """Free finished rows, give running rows their next page, admit what fits."""
         cache, size = self.paged.cache, self.paged.page_size
+        self.cut_run, self._admitting = False, admit
         for req in self.running:
             if req.done:
                 self._release(req, register=True)
@@ -217,13 +223,61 @@ class PagedBatcher(Batcher):
         return steps if steps > 1 and need <= self.paged.cache.available() else 1
 
     def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
-        """Record each step of the plan in turn; rows that stopped ignore the later tokens."""
+        """Record the plan's steps (step-major); rows that stopped ignore the later tokens.
+
+        A run's rows are recorded a row at a time, as a step at a time would (a stop token
+        beats the length cap, which beats an abort). An aborted row keeps every token the run
+        sampled for it: the run ends soon after the host sees the abort, and those tokens are
+        the old weights' samples, as a partial rollout wants them (keeping one, as a single step
+        would, threw away up to a whole run: 64 rows x ~60 tokens at every other push on an
+        H100).
+        """
         n = len(plan.decode) + len(plan.admit)
-        for i in range(plan.steps):
-            super().apply(plan, tokens[i * n : (i + 1) * n], logprobs[i * n : (i + 1) * n])
-        if plan.steps > 1:  # keys and values past a row's last token are not its own
-            for req in plan.decode:
-                req.kv_len = min(req.kv_len, len(req.prompt) + len(req.output_ids))
+        steps = len(tokens) // n
+        if steps == 1:
+            super().apply(plan, tokens, logprobs)
+            return
+        self.running, self.stepping = list(plan.decode), set()  # a run has no joining rows
+        for j, req in enumerate(self.running):
+            req.running = True
+            if req.done:  # cancelled (or force-aborted) while the run ran
+                continue
+            toks, out = tokens[j::n], req.output_ids
+            cap = min(
+                req.params.max_new_tokens - len(out),
+                self.max_model_len - len(req.prompt) - len(out),
+            )
+            most = min(steps, cap)
+            stop = next((k for k in range(most) if toks[k] in req.stop_ids), None)
+            end = most if stop is None else stop + 1
+            out += toks[:end]
+            req.logprobs += logprobs[j::n][:end]
+            req.versions += [plan.version] * end
+            req.kv_len = min(req.kv_len, len(req.prompt) + len(out))  # the rest are not its own
+            if stop is not None:
+                self.finish(req, "stop", matched=toks[stop])
+            elif end == cap:
+                self.finish(req, "length")
+            elif req.aborted is not None:
+                self.finish(req, "abort", message=req.aborted)
+
+    def _cut(self, plan: StepPlan) -> RunCut:
+        """When a run of decode steps ends early.
+
+        After the step where a row sampled a stop token or was aborted, a queued request could
+        take a free row, or the engine wants the model (``cut_run``).
+        """
+        rows, joinable = plan.decode, self._admitting and len(plan.decode) < self.max_batch_size
+
+        def cut(step: int, sampled: list[list[float]]) -> bool:
+            if self.cut_run or (joinable and self.waiting):
+                return True
+            return any(
+                int(t) in r.stop_ids or r.aborted is not None
+                for r, t in zip(rows, sampled[0], strict=True)
+            )
+
+        return cut
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
         """Free the failed step's pages (nothing registered), then fail its requests."""
@@ -245,9 +299,9 @@ class PagedBatcher(Batcher):
             meta = step_meta(reqs, len(plan.decode), size)
             sampled = []
             if plan.steps > 1:
-                runs = runner.decode_many(meta, plan.steps)  # (steps, 2, n)
+                runs = runner.decode_many(meta, plan.steps, self._cut(plan))  # (steps run, 2, n)
                 for req in plan.decode:
-                    req.kv_len += plan.steps
+                    req.kv_len += runs.shape[0]
                 flat = to_host(runs.transpose(0, 1).reshape(2, -1)).tolist()
                 return [int(t) for t in flat[0]], flat[1]
             if plan.decode:

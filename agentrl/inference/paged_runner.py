@@ -52,6 +52,11 @@ DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy", "s
 """Rows of a decode step's metadata, one int64 column per sequence (one host-to-device copy);
 ``seeds`` and ``counts`` (tokens sampled so far) let a step derive the next step's keys."""
 _ONE_BITS = int(torch.tensor(1.0).view(torch.int32))  # float32 1.0 as int bits (padded rows)
+RUN_CHUNK = 8
+"""Inside a run of decode steps on a GPU, the host reads the sampled steps this many at a time,
+one chunk behind the card."""
+RunCut = Callable[[int, list[list[float]]], bool]
+"""``cut(step, [tokens, log-probs])``: whether a run of decode steps ends after that step."""
 
 
 class PagedRunner:
@@ -161,6 +166,7 @@ class PagedRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._static: torch.Tensor | None = None  # (9, max_batch) int64: DECODE_META
         self._host = self._pad = torch.empty(0, dtype=torch.int64)
+        self._seen: torch.Tensor | None = None  # pinned, flat: a run's sampled steps as they land
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -375,25 +381,58 @@ class PagedRunner:
         graph.replay()
         return logits[:n], sampled[:, :n]
 
-    def decode_many(self, meta: torch.Tensor, steps: int) -> torch.Tensor:
-        """``steps`` decode steps from one copy of ``meta``: sampled ``(steps, 2, B)`` float64.
+    def decode_many(
+        self, meta: torch.Tensor, steps: int, cut: RunCut | None = None
+    ) -> torch.Tensor:
+        """Up to ``steps`` decode steps from one copy of ``meta``: sampled ``(k, 2, B)`` float64.
 
         Each step feeds the token the previous one sampled (see :meth:`_advance`); the caller
         must have given every row the pages its next ``steps`` positions need, and no row may
-        truncate (top-k/top-p is sampled outside the graph).
+        truncate (top-k/top-p is sampled outside the graph). ``cut(i, sampled)`` sees each
+        step's ``[tokens, log-probs]`` in order once they reach the host, and returning
+        ``True`` launches no further step. On a GPU the host reads ``RUN_CHUNK`` steps at a
+        time while the next chunk runs, so the card never waits for the host inside a run and
+        up to ``2 * RUN_CHUNK - 1`` steps run (and are returned) after the one that ended it;
+        on a CPU it reads each step before launching the next.
         """
         n = meta.shape[1]
         out = torch.empty(steps, 2, n, dtype=torch.float64, device=self.device)
-        _, sampled = self.decode(meta)
-        out[0].copy_(sampled)
-        for i in range(1, steps):
-            if self.cuda_graphs:
+        cuda = self.device.type == "cuda"
+        chunk = RUN_CHUNK if cuda else 1
+        seen: torch.Tensor | None = None
+        if cut is not None and cuda:
+            if self._seen is None or self._seen.numel() < steps * 2 * n:
+                size = max(steps, 64) * 2 * self.max_batch_size
+                self._seen = torch.empty(size, dtype=torch.float64, pin_memory=True)
+            # contiguous: a copy into a strided slice goes through a pageable buffer, a
+            # synchronous read on the legacy default stream that stalls every thread's launches
+            seen = self._seen[: steps * 2 * n].view(steps, 2, n)
+        landed: list[torch.cuda.Event] = []  # one per chunk launched
+        read = 0  # steps the host has read
+        for i in range(steps):
+            # one wake-up per chunk: the learner's thread, host-bound, shares the GIL with this
+            # one, and a read per step (a GIL round trip each) slowed its update 3x on an H100
+            while cut is not None and i % chunk == 0 and read < i - chunk * cuda:
+                if seen is not None:
+                    landed[read // chunk].synchronize()  # releases the GIL while it waits
+                rows = (seen if seen is not None else out)[read : read + chunk].tolist()
+                for k, step in enumerate(rows):
+                    if cut(read + k, step):
+                        return out[:i]
+                read += chunk
+            if i == 0:
+                sampled = self.decode(meta)[1]
+            elif self.cuda_graphs:
                 bucket = next(b for b in self.buckets if b >= n)
                 self._graphs[bucket][0].replay()
                 sampled = self._graphs[bucket][2][:, :n]
             else:
                 sampled = self._decode_body(n)[1]
             out[i].copy_(sampled)
+            if seen is not None and (i + 1) % chunk == 0:
+                seen[i + 1 - chunk : i + 1].copy_(out[i + 1 - chunk : i + 1], non_blocking=True)
+                landed.append(torch.cuda.Event())
+                landed[-1].record()
         return out
 
     def _capture(self, bucket: int) -> None:

@@ -284,6 +284,13 @@ class Trainer:
                 metrics.update(self.learner.step(samples))
         metrics["time/train_s"] = time.perf_counter() - t1
         self.step += 1
+        # records before the push: after it the event loop starts the admitted episodes, and
+        # the engine has nothing to run until they arrive (the card idles meanwhile)
+        shown = self.health.observe(self.step, groups, trajs)  # failed, timeout, zero-signal
+        trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
+        path = self.run_dir / "trajectories.jsonl"
+        if self.ranks.is_main:
+            write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
         if overlapped:
             try:
                 await self.rollout.interrupt()
@@ -297,11 +304,6 @@ class Trainer:
             if on_synced is not None:
                 on_synced()
         metrics.update(self.last_push)
-        shown = self.health.observe(self.step, groups, trajs)  # failed, timeout, zero-signal
-        trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
-        path = self.run_dir / "trajectories.jsonl"
-        if self.ranks.is_main:
-            write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
         return metrics
 
     def training_batch(

@@ -20,12 +20,16 @@ answer, the reasoning goes to the turn's info, and every sampled token stays in 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from agentrl.errors import ConfigError
 from agentrl.rollout.chat_templates import THINK_CLOSE, TemplateProbe, split_reasoning
 from agentrl.types import Message
+
+PROMPT_CACHE_SIZE = 4096
+"""First prompts :meth:`ChatTokenizer.prompt_ids` keeps (least recently used dropped first)."""
 
 
 class ChatTokenizer:
@@ -56,6 +60,9 @@ class ChatTokenizer:
         self._probe = TemplateProbe(tokenizer, self.chat_template, self.template_kwargs)
         self._closing = self._probe.closing
         self._think_close_id = _single_token_id(tokenizer, THINK_CLOSE)
+        # first prompts by messages: a group's G episodes (and a task's evaluations) start from
+        # the same messages, and rendering plus encoding costs ~0.5 ms on the event loop
+        self._prompts: OrderedDict[tuple[tuple[str, str], ...], list[int]] = OrderedDict()
 
     @property
     def opens_thinking(self) -> bool:
@@ -70,9 +77,20 @@ class ChatTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """Ids of the first prompt: ``messages`` rendered with the generation prompt."""
-        dicts = [m.model_dump() for m in messages]
-        return self.encode(self._render(dicts, add_generation_prompt=True))
+        """Ids of the first prompt: ``messages`` rendered with the generation prompt.
+
+        The last ``PROMPT_CACHE_SIZE`` distinct prompts are kept (a fresh list is returned).
+        """
+        key = tuple((m.role, m.content) for m in messages)
+        ids = self._prompts.get(key)
+        if ids is None:
+            dicts = [m.model_dump() for m in messages]
+            ids = self._prompts[key] = self.encode(self._render(dicts, add_generation_prompt=True))
+            if len(self._prompts) > PROMPT_CACHE_SIZE:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return list(ids)
 
     def closing_text(self, last_token_text: str | None) -> str:
         """The part of the assistant turn's closing that the sampled output did not contain.
