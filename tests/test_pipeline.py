@@ -233,7 +233,7 @@ def test_room_a_push_admits_is_filled_at_once(
     are ever generated at once (the engine decodes half the rows it could).
     """
     started_by_push: list[int] = []
-    synced = Pipeline._synced
+    synced = Pipeline._next_version
 
     def spy(self: Pipeline) -> None:
         before = self.stats.started
@@ -243,7 +243,7 @@ def test_room_a_push_admits_is_filled_at_once(
         assert len(self._inflight) <= 4
         assert self.stats.started - self._taken_before_served <= 4
 
-    monkeypatch.setattr(Pipeline, "_synced", spy)
+    monkeypatch.setattr(Pipeline, "_next_version", spy)
     cfg = run_config(tmp_path, max_staleness=1, tasks_per_step=2, max_inflight_groups=4, steps=6)
     cfg["rollout"] = {"group_size": 2, "max_turns": 1, "max_new_tokens": 4,
                       "max_total_tokens": 48, "ignore_eos": True}  # fmt: skip

@@ -72,9 +72,20 @@ def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.T
             want, got = tuple(own[name].shape), tuple(tensor.shape)
             raise ValueError(f"weights: {name} expected shape {want}, got {got}")
     device = next(iter(own.values())).device if own else torch.device("cpu")
+    # same device and dtype: one multi-tensor copy, not a launch per tensor (a host-bound push)
+    plain = [
+        k
+        for k, t in state_dict.items()
+        if not hasattr(t, "full_tensor") and (t.device, t.dtype) == (own[k].device, own[k].dtype)
+    ]
     with torch.no_grad(), device_context(device):  # gathers run on this model's card
         for name, tensor in state_dict.items():
-            own[name].copy_(tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)
+            if hasattr(tensor, "full_tensor"):
+                own[name].copy_(tensor.full_tensor())
+            elif (tensor.device, tensor.dtype) != (own[name].device, own[name].dtype):
+                own[name].copy_(tensor)
+        if plain:
+            torch._foreach_copy_([own[k] for k in plain], [state_dict[k] for k in plain])
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

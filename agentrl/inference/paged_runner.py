@@ -135,6 +135,7 @@ class PagedRunner:
         self.scratch_row = max_batch_size
         self._weights: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
         self._head: torch.Tensor | None = None
+        self._refresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.refresh_weights()
         with torch.no_grad():  # the model's own rotary tables, looked up by position
             pos = torch.arange(max_model_len, device=self.device)[None]
@@ -172,49 +173,59 @@ class PagedRunner:
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
-        """(Re)build the fused ``compute_dtype`` weights from the model's, in place if built."""
-        fresh = []
+        """(Re)build the fused ``compute_dtype`` weights from the model's, in place if built.
+
+        After the first build a refresh is one multi-tensor copy of each source into its part of
+        the fused tensors (the graphs keep their pointers), not a concatenation and a copy each:
+        the in-process weight push is host-bound.
+        """
+        if self._weights:
+            if self._refresh[0]:
+                torch._foreach_copy_(*self._refresh)
+            return
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part of a fused tensor, source)
+
+        def fused(parts: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+            # parts (None: zeros) stacked on dim 0 in compute_dtype; the parts that are not the
+            # result's own storage are remembered for later refreshes
+            full = [like.new_zeros(like.shape[0]) if p is None else p for p in parts]
+            out = full[0].to(self.dtype) if len(full) == 1 else torch.cat(full).to(self.dtype)
+            row = 0
+            for p, f in zip(parts, full, strict=True):
+                if p is not None and out.data_ptr() != p.data_ptr():
+                    pairs.append((out[row : row + f.shape[0]], p))
+                row += f.shape[0]
+            return out
+
         for layer in self.base.layers:
             att, mlp = layer.self_attn, layer.mlp
             projs = (att.q_proj, att.k_proj, att.v_proj)
             bias = None
             if any(p.bias is not None for p in projs):
-                bias = torch.cat(
-                    [
-                        p.weight.new_zeros(p.weight.shape[0]) if p.bias is None else p.bias
-                        for p in projs
-                    ]
-                )
+                bias = fused([p.bias for p in projs], projs[0].weight)
             q_norm, k_norm = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
             pre = (
                 layer.input_layernorm.weight,
-                torch.cat([p.weight for p in projs]).to(self.dtype),
-                None if bias is None else bias.to(self.dtype),
+                fused([p.weight for p in projs], projs[0].weight),
+                bias,
                 None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight,
                 self.eps,
                 self.sizes,
             )
+            o_bias = att.o_proj.bias
             post = (
-                att.o_proj.weight.to(self.dtype),
-                None if att.o_proj.bias is None else att.o_proj.bias.to(self.dtype),
+                fused([att.o_proj.weight], att.o_proj.weight),
+                None if o_bias is None else fused([o_bias], o_bias),
                 layer.post_attention_layernorm.weight,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(self.dtype),
-                mlp.down_proj.weight.to(self.dtype),
+                fused([mlp.gate_proj.weight, mlp.up_proj.weight], mlp.gate_proj.weight),
+                fused([mlp.down_proj.weight], mlp.down_proj.weight),
                 self.eps,
             )
-            fresh.append((pre, post))
-        head = self.model.get_output_embeddings().weight.to(self.dtype)
-        if not self._weights:
-            self._weights, self._head = fresh, head
-            return
-        for old, new in zip(self._weights, fresh, strict=True):  # keep the graphs' pointers
-            for a, b in zip(old[0] + old[1], new[0] + new[1], strict=True):
-                if isinstance(a, torch.Tensor) and a.data_ptr() != b.data_ptr():
-                    a.copy_(b)
-        assert self._head is not None
-        if self._head.data_ptr() != head.data_ptr():
-            self._head.copy_(head)
+            self._weights.append((pre, post))
+        out_emb = self.model.get_output_embeddings().weight
+        self._head = fused([out_emb], out_emb)
+        self._refresh = ([d for d, _ in pairs], [s for _, s in pairs])
 
     # ---- forward ---------------------------------------------------------------------------
 

@@ -201,12 +201,16 @@ def add_rollout(subparsers: Any) -> None:
     )
     p.add_argument("--split", default="test", choices=["train", "test"], help="task split")
     p.add_argument(
-        "--tasks", default=None, help="JSONL/Parquet of tasks (env.eval_tasks, or env.train_tasks "
-        "with --split train; default: the env's generator)"
+        "--tasks",
+        default=None,
+        help="JSONL/Parquet of tasks (env.eval_tasks, or env.train_tasks "
+        "with --split train; default: the env's generator)",
     )
     p.add_argument(
-        "--num-tasks", type=int, default=None, help="generated tasks when no --tasks "
-        "(env.num_eval_tasks / env.num_train_tasks)"
+        "--num-tasks",
+        type=int,
+        default=None,
+        help="generated tasks when no --tasks (env.num_eval_tasks / env.num_train_tasks)",
     )
     add_fault_flags(p)
     add_flags(p, "env", ["prompt_field", "answer_field"])

@@ -12,9 +12,10 @@ Design:
   waits for the slowest episode of a batch; a weight push, which raises the admission bound,
   starts the groups it admits at once (else, with equal-length episodes, whose groups all end
   together, the next step's groups would wait for the current ones and the engine would
-  decode half the rows it may: 1.31x the loop's tokens/s on an H100 with both). Tasks come from the
-  trainer's seeded cursor and a task's episode seeds derive from its position in that stream,
-  exactly as in the synchronous loop.
+  decode half the rows it may: 1.31x the loop's tokens/s on an H100 with both), as soon as
+  rollouts are interrupted for it: their first requests wait at the gate until the push is
+  done, so they start during it. Tasks come from the trainer's seeded cursor and a task's
+  episode seeds derive from its position in that stream, exactly as in the synchronous loop.
 - **Batch assembly.** A step starts once the buffer holds ``tokens_per_step`` response tokens of
   complete groups (or ``tasks_per_step`` groups when no token budget is set) and no due group
   (below) is still running; it takes the due groups, then the oldest others up to the budget;
@@ -164,7 +165,7 @@ class Host(Protocol):
         metrics: dict[str, float] | None = None,
         *,
         overlapped: bool = False,
-        on_synced: Callable[[], None] | None = None,
+        on_next_version: Callable[[], None] | None = None,
     ) -> dict[str, float]: ...
 
 
@@ -334,15 +335,19 @@ class Pipeline:
         metrics["pipeline/inflight_groups"] = float(inflight)  # when the step began to wait
         metrics["pipeline/buffered_groups"] = float(buffered)  # left after taking
         done_before = self._done_tokens
-        metrics = await t.update(groups, metrics, overlapped=True, on_synced=self._synced)
+        metrics = await t.update(
+            groups, metrics, overlapped=True, on_next_version=self._next_version
+        )
         # generation went on during the update: the response tokens of groups that finished
         metrics["pipeline/overlap_tokens"] = float(self._done_tokens - done_before)
         metrics["time/wait_s"] = t_wait
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def _synced(self) -> None:
-        # groups started from now on start at the new version (rollouts are still interrupted)
+    def _next_version(self) -> None:
+        # groups started from now on generate on the weights being pushed (rollouts are
+        # interrupted: their first requests wait at the gate, so the episodes start during the
+        # push instead of after it while the engine idles)
         self._served, self._taken_before_served = self.trainer.step, self.stats.trained
         self._fill()  # the new version admits more: start them now, not when a group ends
 

@@ -245,7 +245,7 @@ class Trainer:
         metrics: dict[str, float] | None = None,
         *,
         overlapped: bool = False,
-        on_synced: Callable[[], None] | None = None,
+        on_next_version: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """The one training step of both loops: advantages, update, weight push, records.
 
@@ -259,7 +259,9 @@ class Trainer:
             overlapped: rollouts are in flight (the overlapped loop): the update runs in a worker
                 thread so the event loop keeps serving them, and they are interrupted around the
                 weight push (partial rollouts) and released after it.
-            on_synced: called right after the push, while rollouts are still interrupted.
+            on_next_version: called once new episodes can only generate on the pushed weights:
+                overlapped, right after the interrupt (their requests wait at the gate until
+                the push is done, so they start during it); else after the push.
 
         Returns:
             ``metrics`` with the learner's figures, ``rollout/zero_signal_groups``,
@@ -284,8 +286,7 @@ class Trainer:
                 metrics.update(self.learner.step(samples))
         metrics["time/train_s"] = time.perf_counter() - t1
         self.step += 1
-        # records before the push: after it the event loop starts the admitted episodes, and
-        # the engine has nothing to run until they arrive (the card idles meanwhile)
+        # records first: the admitted episodes start next, and the engine idles until they do
         shown = self.health.observe(self.step, groups, trajs)  # failed, timeout, zero-signal
         trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
         path = self.run_dir / "trajectories.jsonl"
@@ -294,15 +295,15 @@ class Trainer:
         if overlapped:
             try:
                 await self.rollout.interrupt()
+                if on_next_version is not None:
+                    on_next_version()
                 await self.sync_weights()
-                if on_synced is not None:
-                    on_synced()
             finally:
                 await self.rollout.release()
         else:
             await self.sync_weights()
-            if on_synced is not None:
-                on_synced()
+            if on_next_version is not None:
+                on_next_version()
         metrics.update(self.last_push)
         return metrics
 
