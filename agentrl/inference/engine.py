@@ -295,8 +295,8 @@ class LocalEngine:
     async def abort(self, rid: str | None = None, *, prefix: bool = False) -> None:
         """Abort ``rid`` (or every open request when ``None``); callers get partial outputs.
 
-        As in SGLang, a request in the decode step being computed stops after that step and
-        keeps the token it samples there (with its log-prob and version); the others stop now.
+        As in SGLang, a request in the step (or run of steps) being computed stops after it and
+        keeps the tokens sampled there (with log-probs and versions); the others stop now.
 
         Args:
             rid: the request id (``None``: every open request).
