@@ -253,6 +253,45 @@ def test_room_a_push_admits_is_filled_at_once(
     assert started_by_push == [2] * 6
 
 
+def test_groups_a_push_admits_start_during_it_and_generate_after_it(tmp_path: Path) -> None:
+    """The groups a push admits start while it runs (the engine idles otherwise), but no
+    request of theirs, nor any other, reaches the engine before the push is done."""
+    cfg = run_config(tmp_path, max_staleness=1, tasks_per_step=2, max_inflight_groups=4, steps=4)
+    cfg["rollout"] = {"group_size": 2, "max_turns": 1, "max_new_tokens": 4,
+                      "max_total_tokens": 48, "ignore_eos": True}  # fmt: skip
+    cfg["train"]["eval_every"] = 0
+    trainer = Trainer(load_config(cfg))
+    log: list[str] = []
+    make_env, generate, sync = trainer.make_env, trainer.client.generate, trainer.sync_weights
+
+    def env() -> Env:
+        log.append("env")
+        return make_env()
+
+    async def gen(*args: Any, **kwargs: Any) -> Any:
+        log.append("generate")
+        return await generate(*args, **kwargs)
+
+    async def push() -> float:
+        log.append("push")
+        try:
+            return await sync()
+        finally:
+            log.append("pushed")
+
+    trainer.make_env, trainer.sync_weights = env, push  # type: ignore[method-assign]
+    trainer.client.generate = gen  # type: ignore[method-assign]
+    asyncio.run(trainer.run())
+    pushes = [i for i, e in enumerate(log) if e == "push"]
+    assert len(pushes) == 6  # two before the overlapped loop, then one a step
+    for k, i in enumerate(pushes):
+        during = log[i + 1 : log.index("pushed", i)]
+        assert "generate" not in during
+        # each step's push: the two groups of two it admits start during it
+        assert during.count("env") == (4 if k >= 2 else 0)
+    assert log[pushes[-1] :].count("generate") >= 4  # ... and their requests go after it
+
+
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_turns_stay_open_across_pushes_with_a_pausing_interrupt_mode(
     tmp_path: Path, mode: str
