@@ -72,20 +72,19 @@ def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.T
             want, got = tuple(own[name].shape), tuple(tensor.shape)
             raise ValueError(f"weights: {name} expected shape {want}, got {got}")
     device = next(iter(own.values())).device if own else torch.device("cpu")
-    # same device and dtype: one multi-tensor copy, not a launch per tensor (a host-bound push)
-    plain = [
-        k
-        for k, t in state_dict.items()
-        if not hasattr(t, "full_tensor") and (t.device, t.dtype) == (own[k].device, own[k].dtype)
-    ]
+    dst: list[torch.Tensor] = []  # same device and dtype: one multi-tensor copy, not a launch
+    src: list[torch.Tensor] = []  # per tensor (the in-process push is host-bound)
     with torch.no_grad(), device_context(device):  # gathers run on this model's card
         for name, tensor in state_dict.items():
             if hasattr(tensor, "full_tensor"):
                 own[name].copy_(tensor.full_tensor())
-            elif (tensor.device, tensor.dtype) != (own[name].device, own[name].dtype):
+            elif (tensor.device, tensor.dtype) == (own[name].device, own[name].dtype):
+                dst.append(own[name])
+                src.append(tensor)
+            else:
                 own[name].copy_(tensor)
-        if plain:
-            torch._foreach_copy_([own[k] for k in plain], [state_dict[k] for k in plain])
+        if dst:
+            torch._foreach_copy_(dst, src)
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -185,14 +185,17 @@ class PagedRunner:
             return
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part of a fused tensor, source)
 
-        def fused(parts: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-            # parts (None: zeros) stacked on dim 0 in compute_dtype; the parts that are not the
-            # result's own storage are remembered for later refreshes
-            full = [like.new_zeros(like.shape[0]) if p is None else p for p in parts]
+        def fused(*parts: torch.Tensor | int) -> torch.Tensor:
+            # parts (an int: that many zero rows) stacked on dim 0 in compute_dtype; the tensor
+            # parts that are not the result's own storage are remembered for later refreshes
+            full = [
+                torch.zeros(p, dtype=self.dtype, device=self.device) if isinstance(p, int) else p
+                for p in parts
+            ]
             out = full[0].to(self.dtype) if len(full) == 1 else torch.cat(full).to(self.dtype)
             row = 0
             for p, f in zip(parts, full, strict=True):
-                if p is not None and out.data_ptr() != p.data_ptr():
+                if not isinstance(p, int) and out.data_ptr() != p.data_ptr():
                     pairs.append((out[row : row + f.shape[0]], p))
                 row += f.shape[0]
             return out
@@ -202,29 +205,27 @@ class PagedRunner:
             projs = (att.q_proj, att.k_proj, att.v_proj)
             bias = None
             if any(p.bias is not None for p in projs):
-                bias = fused([p.bias for p in projs], projs[0].weight)
+                bias = fused(*(p.weight.shape[0] if p.bias is None else p.bias for p in projs))
             q_norm, k_norm = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
             pre = (
                 layer.input_layernorm.weight,
-                fused([p.weight for p in projs], projs[0].weight),
+                fused(*(p.weight for p in projs)),
                 bias,
                 None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight,
                 self.eps,
                 self.sizes,
             )
-            o_bias = att.o_proj.bias
             post = (
-                fused([att.o_proj.weight], att.o_proj.weight),
-                None if o_bias is None else fused([o_bias], o_bias),
+                fused(att.o_proj.weight),
+                None if att.o_proj.bias is None else fused(att.o_proj.bias),
                 layer.post_attention_layernorm.weight,
-                fused([mlp.gate_proj.weight, mlp.up_proj.weight], mlp.gate_proj.weight),
-                fused([mlp.down_proj.weight], mlp.down_proj.weight),
+                fused(mlp.gate_proj.weight, mlp.up_proj.weight),
+                fused(mlp.down_proj.weight),
                 self.eps,
             )
             self._weights.append((pre, post))
-        out_emb = self.model.get_output_embeddings().weight
-        self._head = fused([out_emb], out_emb)
+        self._head = fused(self.model.get_output_embeddings().weight)
         self._refresh = ([d for d, _ in pairs], [s for _, s in pairs])
 
     # ---- forward ---------------------------------------------------------------------------
