@@ -416,20 +416,33 @@ class Batcher:
         self.running = plan.decode + plan.admit  # the batch's row order
         self.stepping = set()
         for req, token, logprob in zip(self.running, tokens, logprobs, strict=True):
-            req.running = True
-            if req.done:  # cancelled (or force-aborted) while the step ran
-                continue
-            req.output_ids.append(token)
-            req.logprobs.append(logprob)
-            req.versions.append(plan.version)
-            if token in req.stop_ids:  # a stop token beats the length cap, as in SGLang
-                self.finish(req, "stop", matched=token)
-            elif len(req.output_ids) >= req.params.max_new_tokens:
-                self.finish(req, "length")
-            elif len(req.prompt) + len(req.output_ids) >= self.max_model_len:
-                self.finish(req, "length")
-            elif req.aborted is not None:  # aborted while this step ran: keep its token
-                self.finish(req, "abort", message=req.aborted)
+            self.record(req, [token], [logprob], plan.version)
+
+    def record(self, req: Request, tokens: list[int], logprobs: list[float], version: int) -> None:
+        """Append a row's sampled tokens up to its first stop token or length cap, then finish it.
+
+        A stop token beats the length cap (as in SGLang), which beats an abort (a row aborted
+        while its step ran keeps the step's tokens).
+        """
+        req.running = True
+        if req.done:  # cancelled (or force-aborted) while the step ran
+            return
+        out = req.output_ids
+        cap = min(
+            req.params.max_new_tokens - len(out), self.max_model_len - len(req.prompt) - len(out)
+        )
+        most = min(len(tokens), cap)
+        stop = next((k for k in range(most) if tokens[k] in req.stop_ids), None)
+        end = most if stop is None else stop + 1
+        out += tokens[:end]
+        req.logprobs += logprobs[:end]
+        req.versions += [version] * end
+        if stop is not None:
+            self.finish(req, "stop", matched=tokens[stop])
+        elif end == cap:
+            self.finish(req, "length")
+        elif req.aborted is not None:
+            self.finish(req, "abort", message=req.aborted)
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
         """A step raised: fail its requests with a 500 and drop the (maybe inconsistent) cache."""

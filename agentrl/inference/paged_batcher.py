@@ -225,12 +225,11 @@ class PagedBatcher(Batcher):
     def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
         """Record the plan's steps (step-major); rows that stopped ignore the later tokens.
 
-        A run's rows are recorded a row at a time, as a step at a time would (a stop token
-        beats the length cap, which beats an abort). An aborted row keeps every token the run
-        sampled for it: the run ends soon after the host sees the abort, and those tokens are
-        the old weights' samples, as a partial rollout wants them (keeping one, as a single step
-        would, threw away up to a whole run: 64 rows x ~60 tokens at every other push on an
-        H100).
+        A run's rows are recorded a row at a time (:meth:`Batcher.record`). An aborted row keeps
+        every token the run sampled for it: the run ends soon after the host sees the abort, and
+        those tokens are the old weights' samples, as a partial rollout wants them (keeping one,
+        as a single step would, threw away up to a whole run: 64 rows x ~60 tokens at every
+        other push on an H100).
         """
         n = len(plan.decode) + len(plan.admit)
         steps = len(tokens) // n
@@ -239,27 +238,10 @@ class PagedBatcher(Batcher):
             return
         self.running, self.stepping = list(plan.decode), set()  # a run has no joining rows
         for j, req in enumerate(self.running):
-            req.running = True
-            if req.done:  # cancelled (or force-aborted) while the run ran
-                continue
-            toks, out = tokens[j::n], req.output_ids
-            cap = min(
-                req.params.max_new_tokens - len(out),
-                self.max_model_len - len(req.prompt) - len(out),
-            )
-            most = min(steps, cap)
-            stop = next((k for k in range(most) if toks[k] in req.stop_ids), None)
-            end = most if stop is None else stop + 1
-            out += toks[:end]
-            req.logprobs += logprobs[j::n][:end]
-            req.versions += [plan.version] * end
-            req.kv_len = min(req.kv_len, len(req.prompt) + len(out))  # the rest are not its own
-            if stop is not None:
-                self.finish(req, "stop", matched=toks[stop])
-            elif end == cap:
-                self.finish(req, "length")
-            elif req.aborted is not None:
-                self.finish(req, "abort", message=req.aborted)
+            self.record(req, tokens[j::n], logprobs[j::n], plan.version)
+            req.kv_len = min(
+                req.kv_len, len(req.prompt) + len(req.output_ids)
+            )  # past it: not its own
 
     def _cut(self, plan: StepPlan) -> RunCut:
         """When a run of decode steps ends early.
