@@ -48,6 +48,11 @@ once launched (the card), with the launching threads (``stream_gaps``; untried o
 yet); ``allocator_per_step`` counts the caching allocator's device allocations, frees and
 retries (each free synchronises the device).
 
+``--prefill-graphs on off`` runs the engine's prefills as CUDA graphs or eagerly, side by side;
+``--stacks`` samples every Python thread's stack each ms and prints (``[stacks]``) where each
+thread was while the card idled 5 ms or more (untried on a card yet). ``[progress]`` counts the
+timed steps' garbage collections by generation (``gc [young, middle, full] [ms]``).
+
 ``--engine process`` runs agentrl's engine in a process of its own on the same card
 (``agentrl serve --config`` with the run's config) and trains over HTTP with
 ``inference.weight_sync=tensor`` (weights pushed by CUDA IPC handle), so the engine and the
@@ -78,10 +83,12 @@ from typing import Any
 import torch
 
 import agentrl.inference.engine as engine_module
+import agentrl.inference.prefill_graphs as prefill_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 # benchmarks/ is a folder of scripts, not a package
+from _gc_pauses import GcPauses  # noqa: E402
 from _hash_env import HashEnv, hashed_reward  # noqa: E402
 from _loop_probes import (  # noqa: E402
     EngineRows,
@@ -93,6 +100,7 @@ from _loop_probes import (  # noqa: E402
     server_running_rows,
 )
 from _serve import start_server, stop_server  # noqa: E402
+from _stack_sampler import StackSampler  # noqa: E402
 
 from agentrl.config import dump_config, load_config  # noqa: E402
 from agentrl.tiny import QWEN3_0_6B_SHAPE  # noqa: E402
@@ -134,6 +142,7 @@ def agentrl_loop(
     interrupt_mode: str = "abort",
     decode_steps: int | None = None,
     settle_ms: float | None = None,
+    stacks: bool = False,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
@@ -198,7 +207,8 @@ def agentrl_loop(
         if server is not None:
             stop_server(server)
         raise
-    busy, kernels, syncs = GpuBusy(), KernelBusy(gaps), SyncCount()
+    busy, kernels, syncs, gcp = GpuBusy(), KernelBusy(gaps), SyncCount(), GcPauses()
+    sampler = StackSampler() if stacks else None
     rows_seen = EngineRows(
         (lambda: server_running_rows(url)) if url else
         (lambda: tuple(trainer.client.stats()[k]
@@ -220,13 +230,19 @@ def agentrl_loop(
                 busy.start()
                 kernels.start()
                 rows_seen.start()
+                gcp.start(rows_seen.t0)
+                if sampler is not None:
+                    sampler.start(rows_seen.t0)
                 if engine_steps is not None:
                     engine_steps.start(rows_seen.t0)
                 if count_syncs:
                     syncs.start()
             if int(rec["step"]) == warmup + steps:  # before the run's final eval and checkpoint
                 syncs.stop()
-                seen.update(running=rows_seen.stop(), smi=busy.stop(), kernels=kernels.stop())
+                seen.update(running=rows_seen.stop(), smi=busy.stop(), kernels=kernels.stop(),
+                            gc=gcp.stop())  # fmt: skip
+                if sampler is not None:
+                    sampler.stop()
                 seen["engine_steps"] = engine_steps.stop() if engine_steps else None
                 end = allocator_counts()
                 seen["alloc"] = {k: (end[k] - seen["alloc0"][k]) / steps for k in end}
@@ -272,6 +288,17 @@ def agentrl_loop(
         "inflight_groups": inflight,
         "engine_running_rows": running,
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
+        "gc": seen["gc"],
+        # each thread's most sampled places (1 ms samples) while the card idled 5 ms or more
+        "stacks": None
+        if sampler is None
+        else sampler.in_gaps(
+            [
+                (a + (kernels._t0 - rows_seen.t0) * 1e3, d)
+                for a, d in kernels.timeline["idle_gaps"]
+                if d >= 5
+            ]
+        ),  # fmt: skip  # the timed steps' collections by generation: count, ms, full ones
         # cudaMalloc / cudaFree (device-wide synchronisations) and allocator retries per step
         "allocator_per_step": seen["alloc"],
         "stream_gaps": kernels.gaps,
@@ -392,6 +419,13 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[32768],
                     help="learner.micro_batch_tokens (2 micro-batches of the 0.6B step at 16,384, "
                          "1 at 32,768: half the launches); several: side by side")  # fmt: skip
+    ap.add_argument(
+        "--stacks",
+        action="store_true",
+        help="sample the threads' stacks; print where they were in the card's gaps",
+    )
+    ap.add_argument("--prefill-graphs", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the engine's prefills as CUDA graphs; several: side by side")  # fmt: skip
     ap.add_argument("--engine", nargs="+", default=["thread"], choices=["thread", "process"],
                     help="agentrl's engine in the trainer's process (thread) or in an 'agentrl "
                          "serve' process on the card (process); several: side by side, the last "
@@ -407,7 +441,7 @@ def main() -> None:
     for name in a.workloads:
         runs: dict[str, dict[str, Any]] = {}
         settle_default = engine_module.RESUME_SETTLE_MAX_S
-        for engine, switch_ms, mbt, inflight, mode, steps, settle in itertools.product(
+        for engine, switch_ms, mbt, inflight, mode, steps, settle, pg in itertools.product(
             a.engine,
             a.switch_interval_ms,
             a.micro_batch_tokens,
@@ -415,28 +449,35 @@ def main() -> None:
             a.interrupt_mode,
             a.decode_steps,
             a.resume_settle_ms,
+            a.prefill_graphs,
         ):
+            prefill_module.PREFILL_GRAPHS = pg == "on"
             engine_module.RESUME_SETTLE_MAX_S = settle_default
             WORKLOADS[name]["micro_batch_tokens"] = mbt
             ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
                                 a.count_syncs, switch_ms, engine == "process",
-                                a.stream_gaps, inflight, mode, steps, settle)  # fmt: skip
+                                a.stream_gaps, inflight, mode, steps, settle,
+                                a.stacks)  # fmt: skip
             label = (f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}, "
                      f"in-flight groups {ours['inflight_groups']}, interrupt {mode}, "
                      f"decode steps {ours['decode_steps']}, resume settle "
-                     f"{settle_default * 1e3 if settle is None else settle:g} ms")  # fmt: skip
+                     f"{settle_default * 1e3 if settle is None else settle:g} ms, "
+                     f"prefill graphs {pg}")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",
-                    "engine_running_rows", "mismatch")  # fmt: skip
+                    "engine_running_rows", "mismatch", "gc")  # fmt: skip
             runs[label] = {k: ours[k] for k in keys}
             update = ours["time_split_s"]["update"]
             if ours["stream_gaps"]:
                 print(f"[gaps] {json.dumps(ours['stream_gaps'])}", flush=True)
             print(f"[timeline] {json.dumps(ours['timeline'])}", flush=True)
+            if ours["stacks"] is not None:
+                print(f"[stacks] {json.dumps(ours['stacks'])}", flush=True)
             print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "
                   f"GPU busy {ours['gpu_busy']:.1%}, update {update:.2f} s, "
                   f"push {ours['weight_push_s'] * 1e3:.1f} ms, engine rows running "
-                  f"{ours['engine_running_rows']}, mismatch {ours['mismatch']}",
+                  f"{ours['engine_running_rows']}, mismatch {ours['mismatch']}, "
+                  f"gc {ours['gc']['collections']} {ours['gc']['ms']} ms",
                   flush=True)  # fmt: skip
             gc.collect()  # the trainer's cycles, then its cached blocks
             torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ log-probs equal a teacher-forced pass, a reused prefix gives what a cold prefill
 keep the token of the step in flight, weight updates drop cached prefixes, running out of pages
 requeues a request without changing its result, runs of decode steps sample what single steps
 sample, and runs go on while requests wait for a row (none is free). GPU (``gpu``):
-graph-captured decode in runs of steps equals eager single steps; log-probs match the learner's
+graph-captured decode in runs of steps and graph-captured prefills equal eager single steps and
+eager prefills; log-probs match the learner's
 (bf16 autocast, packed body) within ``LEARNER_TOL`` (the exact mode: tests/test_exact_mode.py).
 """
 
@@ -293,14 +294,29 @@ async def _graph_decode_equals_eager_decode() -> None:
         assert eng.paged
         try:
             outs[graphs] = await asyncio.gather(
-                *(eng.generate([3, i, 5, 7], sp(24, temperature=t, seed=i)) for i, t in
-                  zip(range(5), (0.0, 1.0, 0.7, 1.0, 0.0), strict=True))
-            )  # fmt: skip
+                *(
+                    _join(eng, i, t)
+                    for i, t in zip(range(5), (0.0, 1.0, 0.7, 1.0, 0.0), strict=True)
+                )
+            )
+            assert eng._paged is not None
+            prefills = eng._paged._prefill_graphs
+            assert (prefills is not None and len(prefills.graphs) > 0) == graphs  # replayed
         finally:
             await eng.aclose()
     for a, b in zip(outs[True], outs[False], strict=True):
         assert a.output_ids == b.output_ids
         assert max_err(a.logprobs, b.logprobs) < 2e-3
+
+
+async def _join(eng: LocalEngine, i: int, temperature: float) -> Any:
+    """Request ``i``; the last two join once the others are decoding (a step that decodes and
+    prefills: the prefill graph replays between the decode graph and the read of its tokens)."""
+    if i >= 3:
+        while not any(len(r.output_ids) >= 4 for r in eng._batcher.running):
+            await asyncio.sleep(0)
+    params = sp(64 if i < 3 else 24, temperature=temperature, seed=i)
+    return await eng.generate([3, i, 5, 7] * (1 + i), params)
 
 
 @pytest.mark.gpu

@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 
 from agentrl.errors import ServerError
+from agentrl.inference import prefill_graphs
 from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
 from agentrl.inference.paged_runner import PagedRunner, RunCut
@@ -418,7 +419,12 @@ def build_paged(
         compile=compile,
         emulate_precision_casts=emulate_precision_casts,
         batch_invariant=batch_invariant,
+        prefill_graph_tokens=kwargs.get("max_prefill_tokens", 16384)
+        if prefill_graphs.PREFILL_GRAPHS
+        else 0,
     )
+    if runner._prefill_graphs is not None:
+        runner._prefill_graphs.capture_all()
     batcher = PagedBatcher(
         runner,
         rng,

@@ -18,8 +18,10 @@
   :meth:`PagedRunner.decode_many` replays it several times from one metadata copy and reads
   the tokens back once: the host's planning, copies and synchronisation are paid once per run
   of steps instead of once per token.
-- Prefill runs eagerly on the packed new tokens of every joining sequence (cached prefixes are
-  not recomputed) and keeps the logits of each sequence's last token.
+- Prefill runs on the packed new tokens of every joining sequence (cached prefixes are not
+  recomputed) and keeps the logits of each sequence's last token; with CUDA graphs, up to
+  ``prefill_graph_tokens`` tokens replay a graph of their bucket
+  (:mod:`~agentrl.inference.prefill_graphs`), more run eagerly.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from agentrl.inference.kv_cache import PagedKVCache
+from agentrl.inference.prefill_graphs import PrefillGraphs
 from agentrl.inference.sampling import row_keys, sample
 from agentrl.kernels import invariant
 from agentrl.kernels.fused_layer import (
@@ -86,6 +89,8 @@ class PagedRunner:
             one layer's half after attention with the next one's before, the KV write
             included), so that compiled, a layer boundary is no kernel boundary; off: one
             function per half-layer and the KV write apart (for ``benchmarks/decode_kernels.py``).
+        prefill_graph_tokens: with ``cuda_graphs``, prefills of up to this many tokens replay
+            CUDA graphs (0: every prefill runs eagerly).
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class PagedRunner:
         emulate_precision_casts: bool = False,
         batch_invariant: bool = False,
         fuse_seams: bool = True,
+        prefill_graph_tokens: int = 0,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -168,6 +174,13 @@ class PagedRunner:
         self._static: torch.Tensor | None = None  # (9, max_batch) int64: DECODE_META
         self._host = self._pad = torch.empty(0, dtype=torch.int64)
         self._seen: torch.Tensor | None = None  # pinned, flat: a run's sampled steps as they land
+        # the decode graphs' memory pool (the prefill graphs have their own: prefill_graphs)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._prefill_graphs = (
+            PrefillGraphs(self, prefill_graph_tokens)
+            if self.cuda_graphs and prefill_graph_tokens > 0
+            else None
+        )
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -306,6 +319,25 @@ class PagedRunner:
             tokens: each sequence's whole token list.
             pages: each sequence's pages.
         """
+        columns, qbs, last = self.pack_prefill(rows, starts, tokens, pages)
+        graphs = self._prefill_graphs
+        key = None if graphs is None else graphs.bucket(len(columns[0]), len(rows))
+        if graphs is not None and key is not None:
+            return self._logits(graphs.run(key, columns, qbs, last))
+        meta = to_device(torch.tensor(columns, dtype=torch.int64), self.device)
+        qb = to_device(torch.tensor(qbs, dtype=torch.int64), self.device)
+        blocks = QueryBlocks(qb[0], qb[1], qb[2], self._tile(self.prefill_tokens))
+        hidden = self._forward(meta[0], meta[1], meta[2], blocks)
+        return self._logits(hidden[to_device(torch.tensor(last), self.device)])
+
+    def pack_prefill(
+        self, rows: list[int], starts: list[int], tokens: list[list[int]], pages: list[list[int]]
+    ) -> tuple[tuple[list[int], ...], tuple[list[int], ...], list[int]]:
+        """:meth:`prefill`'s packed inputs, as lists.
+
+        Returns: the new tokens' (ids, positions, KV slots), the query blocks' (rows, first
+        tokens, counts) and each sequence's last token (its index among the new tokens).
+        """
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -322,11 +354,7 @@ class PagedRunner:
                 qb_tok.append(b)
                 qb_n.append(min(per, len(ids) - b))
             last.append(len(ids) - 1)
-        meta = to_device(torch.tensor([ids, pos, slots], dtype=torch.int64), self.device)
-        qbs = to_device(torch.tensor([qb_row, qb_tok, qb_n], dtype=torch.int64), self.device)
-        blocks = QueryBlocks(qbs[0], qbs[1], qbs[2], self._tile(per))
-        hidden = self._forward(meta[0], meta[1], meta[2], blocks)
-        return self._logits(hidden[to_device(torch.tensor(last), self.device)])
+        return (ids, pos, slots), (qb_row, qb_tok, qb_n), last
 
     def _decode_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
@@ -460,8 +488,7 @@ class PagedRunner:
                 self._decode_body(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             logits, sampled = self._decode_body(bucket)
         self._graphs[bucket] = (graph, logits, sampled)
         self._static[:, :bucket] = saved

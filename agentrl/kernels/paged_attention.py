@@ -207,6 +207,8 @@ def _reference(
     for row, tok, n in zip(
         blocks.row.tolist(), blocks.tok.tolist(), blocks.n.tolist(), strict=True
     ):
+        if n == 0:  # a padded block (a prefill graph's bucket): no query token
+            continue
         pos = q_pos[tok : tok + n]
         end = int(pos.max()) + 1
         kpos = torch.arange(end, device=q.device)

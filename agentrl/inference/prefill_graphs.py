@@ -1,0 +1,188 @@
+"""CUDA graphs of the paged engine's prefill: one per token bucket.
+
+Why: an eager prefill launches a dozen kernels per layer from Python, so it is host-bound. In
+the training loop's one process its thread shares the GIL with the learner's and the event
+loop's: on an H100 a prefill of 64 new 26-token prompts (1,664 tokens of Qwen3-0.6B's shape)
+took 28-168 ms, the card idle for most of it. A replayed graph is one launch.
+
+- **Buckets.** The packed tokens are padded up to the next of 16, 24, 32, 48, 64, 96, ...
+  (``2^k`` and ``3 * 2^(k-1)``: at most a third of a graph's tokens are padding), up to the
+  batcher's ``max_prefill_tokens`` (a bigger prefill runs eagerly); every graph has room for
+  ``max_batch_size`` sequences. Padded tokens write their keys and values to the scratch page
+  and belong to no query block; padded query blocks hold no token (their programs store
+  nothing); padded sequences read token 0's hidden state and are dropped. Sequences are not
+  bucketed: a padded sequence costs one row of hidden state and some empty attention programs,
+  while every bucket costs a capture, and in the loop on an H100 the (tokens, sequences)
+  buckets met in the first 14 steps took ~11 captures of 120-230 ms each.
+- **What a graph holds.** The final-norm hidden state of each sequence's last token: the head
+  and sampling run eagerly after it. A graph's output lives as long as the graph, and logits
+  (sequences x vocabulary, float32) would cost each graph 78 MB at Qwen's vocabulary and 128
+  sequences; hidden states cost 0.5 MB.
+- **Memory.** The prefill graphs share one memory pool, apart from the decode graphs'. Graphs
+  of one pool may reuse each other's intermediates, which is safe only where a graph's output
+  is read before another graph of its pool replays: a prefill's hidden states are, but a step
+  that decodes and prefills reads the decode graph's sampled tokens after the prefill graph
+  ran (with one pool for both, the loop on an H100 failed on token ids out of range).
+- **Capture** of every bucket happens when the engine is built (:meth:`PrefillGraphs.
+  capture_all`, as SGLang captures its graphs at startup), each after a warm-up run on scratch
+  inputs on a side stream (no real sequence's cache is written); captured at their first use
+  instead, the buckets a loop meets cost it one-off stalls of 100-230 ms each in its first
+  steps on an H100.
+- **Numerics.** Rows are computed as eagerly, but at the bucket's padded size: outside the
+  exact mode a matmul may pick another algorithm for another row count, so a prefill's
+  log-probs can differ from the eager ones by bf16 rounding; in the exact mode
+  (``batch_invariant``) every kernel is batch-invariant and they are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from agentrl.kernels.paged_attention import QueryBlocks
+from agentrl.kernels.transfer import device_context
+
+PREFILL_GRAPHS = True
+"""Capture prefills as CUDA graphs where the runner captures decode steps (``False``: eager;
+``benchmarks/loop_gpu.py --prefill-graphs`` compares the two)."""
+MAX_GRAPHS = 64
+"""Most prefill graphs one runner captures; a prefill of another bucket then runs eagerly."""
+log = logging.getLogger(__name__)
+
+
+def token_buckets(most: int) -> list[int]:
+    """Padded prefill sizes: 16, 24, 32, 48, ... up to the first one that holds ``most``."""
+    out, k = [16], 16
+    while out[-1] < most:
+        out += [k + k // 2, 2 * k]
+        k *= 2
+    return [b for i, b in enumerate(out) if i == 0 or out[i - 1] < most]
+
+
+class PrefillGraphs:
+    """The prefill graphs of one :class:`PagedRunner` (see the module docstring).
+
+    Args:
+        runner: the :class:`~agentrl.inference.paged_runner.PagedRunner` whose ``_forward``
+            the graphs capture (CUDA graphs on).
+        max_tokens: the largest token bucket holds at least this many tokens.
+    """
+
+    def __init__(self, runner: Any, max_tokens: int) -> None:
+        self.runner = runner
+        self.token_buckets = token_buckets(max_tokens)
+        self.pool: Any = None  # a CUDA graph pool handle, made at the first capture
+        # (tokens, sequences) -> graph, its device inputs, their pinned host copy, its output;
+        # sequences: always max_batch_size
+        self.graphs: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
+
+    def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The graph key for a prefill of that size, or ``None``: run it eagerly."""
+        t = next((b for b in self.token_buckets if b >= tokens), None)
+        if t is None or seqs > self.runner.max_batch_size:
+            return None
+        key = (t, self.runner.max_batch_size)
+        return key if key in self.graphs or len(self.graphs) < MAX_GRAPHS else None
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph now (the first uses then replay)."""
+        t0 = time.perf_counter()
+        for t in self.token_buckets:
+            key = self.bucket(t, 1)
+            if key is not None and key not in self.graphs:
+                with torch.inference_mode(), device_context(self.runner.device):
+                    self._capture(key)
+        log.info(
+            "prefill graphs: %d captured in %.1f s (up to %d tokens)",
+            len(self.graphs), time.perf_counter() - t0, self.token_buckets[-1],
+        )  # fmt: skip
+
+    def _blocks(self, key: tuple[int, int]) -> int:
+        # each sequence's blocks: ceil(its tokens / per) <= its tokens / per + 1
+        return math.ceil(key[0] / self.runner.prefill_tokens) + key[1]
+
+    def _padding(self, key: tuple[int, int]) -> torch.Tensor:
+        """The inputs of a prefill with no real token (every column a padded one)."""
+        t, s = key
+        b = self._blocks(key)
+        out = torch.zeros(3 * t + 3 * b + s, dtype=torch.int64)
+        out[3 * t : 3 * t + b] = self.runner.scratch_row  # padded blocks: the scratch row
+        return out
+
+    def _body(self, key: tuple[int, int], static: torch.Tensor) -> torch.Tensor:
+        t, s = key
+        b = self._blocks(key)
+        ids, pos, slots = static[: 3 * t].view(3, t)
+        rows, first, n = static[3 * t : 3 * t + 3 * b].view(3, b)
+        runner = self.runner
+        blocks = QueryBlocks(rows, first, n, runner._tile(runner.prefill_tokens))
+        hidden = runner._forward(ids, pos, slots, blocks)
+        return hidden[static[3 * t + 3 * b :]]
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        device = self.runner.device
+        static = self._padding(key).to(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up: compiles and autotunes outside the capture
+            self._body(key, static)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._body(key, static)
+        host = torch.empty(static.shape, dtype=torch.int64, pin_memory=True)
+        self.graphs[key] = (graph, static, host, out)
+
+    def inputs(
+        self,
+        key: tuple[int, int],
+        columns: tuple[list[int], ...],
+        blocks: tuple[list[int], ...],
+        last: list[int],
+    ) -> torch.Tensor:
+        """The graph's inputs for a prefill (a CPU tensor), padded to ``key``'s bucket.
+
+        Args:
+            key: :meth:`bucket`'s key for the prefill.
+            columns: the packed tokens' ids, positions and KV slots.
+            blocks: the query blocks' block-table rows, first tokens and token counts.
+            last: each sequence's last token (its index in ``columns``).
+        """
+        t, _ = key
+        b = self._blocks(key)
+        out = self._padding(key)
+        n, k = len(columns[0]), len(blocks[0])
+        for i in range(3):
+            out[i * t : i * t + n] = torch.tensor(columns[i], dtype=torch.int64)
+            out[3 * t + i * b : 3 * t + i * b + k] = torch.tensor(blocks[i], dtype=torch.int64)
+        out[3 * t + 3 * b : 3 * t + 3 * b + len(last)] = torch.tensor(last, dtype=torch.int64)
+        return out
+
+    def run(
+        self,
+        key: tuple[int, int],
+        columns: tuple[list[int], ...],
+        blocks: tuple[list[int], ...],
+        last: list[int],
+    ) -> torch.Tensor:
+        """Hidden states ``(len(last), H)`` of each sequence's ``last`` token; writes the KV.
+
+        The arguments are :meth:`inputs`'; the graph of ``key`` is captured at its first use.
+        """
+        if key not in self.graphs:
+            self._capture(key)
+        graph, static, host, out = self.graphs[key]
+        # the pinned copy is reused: the engine's step has read its last result back (a sync)
+        # since this graph's last replay, so no earlier copy from it is still pending
+        host.copy_(self.inputs(key, columns, blocks, last))
+        static.copy_(host, non_blocking=True)
+        graph.replay()
+        return out[: len(last)]
