@@ -240,9 +240,8 @@ class PagedBatcher(Batcher):
         self.running, self.stepping = list(plan.decode), set()  # a run has no joining rows
         for j, req in enumerate(self.running):
             self.record(req, tokens[j::n], logprobs[j::n], plan.version)
-            req.kv_len = min(
-                req.kv_len, len(req.prompt) + len(req.output_ids)
-            )  # past it: not its own
+            # the cache past its last kept token holds the run's dropped steps: not its own
+            req.kv_len = min(req.kv_len, len(req.prompt) + len(req.output_ids))
 
     def _cut(self, plan: StepPlan) -> RunCut:
         """When a run of decode steps ends early.
@@ -423,8 +422,6 @@ def build_paged(
         if prefill_graphs.PREFILL_GRAPHS
         else 0,
     )
-    if runner._prefill_graphs is not None:
-        runner._prefill_graphs.capture_all()
     batcher = PagedBatcher(
         runner,
         rng,

@@ -181,6 +181,8 @@ class PagedRunner:
             if self.cuda_graphs and prefill_graph_tokens > 0
             else None
         )
+        if self._prefill_graphs is not None:  # every bucket now, not inside a run's first steps
+            self._prefill_graphs.capture_all()
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -321,9 +323,10 @@ class PagedRunner:
         """
         columns, qbs, last = self.pack_prefill(rows, starts, tokens, pages)
         graphs = self._prefill_graphs
-        key = None if graphs is None else graphs.bucket(len(columns[0]), len(rows))
-        if graphs is not None and key is not None:
-            return self._logits(graphs.run(key, columns, qbs, last))
+        t = None if graphs is None else graphs.bucket(len(columns[0]), len(rows))
+        if graphs is not None and t is not None:
+            hidden = graphs.run(t, graphs.inputs(t, columns, qbs, last))
+            return self._logits(hidden[: len(rows)])
         meta = to_device(torch.tensor(columns, dtype=torch.int64), self.device)
         qb = to_device(torch.tensor(qbs, dtype=torch.int64), self.device)
         blocks = QueryBlocks(qb[0], qb[1], qb[2], self._tile(self.prefill_tokens))

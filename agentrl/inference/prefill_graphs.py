@@ -23,11 +23,11 @@ took 28-168 ms, the card idle for most of it. A replayed graph is one launch.
   is read before another graph of its pool replays: a prefill's hidden states are, but a step
   that decodes and prefills reads the decode graph's sampled tokens after the prefill graph
   ran (with one pool for both, the loop on an H100 failed on token ids out of range).
-- **Capture** of every bucket happens when the engine is built (:meth:`PrefillGraphs.
-  capture_all`, as SGLang captures its graphs at startup), each after a warm-up run on scratch
-  inputs on a side stream (no real sequence's cache is written); captured at their first use
-  instead, the buckets a loop meets cost it one-off stalls of 100-230 ms each in its first
-  steps on an H100.
+- **Capture** of every bucket (the ``MAX_GRAPHS`` smallest at most) happens when the runner
+  is built (:meth:`PrefillGraphs.capture_all`, as SGLang captures its graphs at startup), each
+  after a warm-up run on scratch inputs on a side stream (no real sequence's cache is
+  written); captured at their first use instead, the buckets a loop meets cost it one-off
+  stalls of 100-230 ms each in its first steps on an H100.
 - **Numerics.** Rows are computed as eagerly, but at the bucket's padded size: outside the
   exact mode a matmul may pick another algorithm for another row count, so a prefill's
   log-probs can differ from the eager ones by bf16 rounding; in the exact mode
@@ -50,7 +50,8 @@ PREFILL_GRAPHS = True
 """Capture prefills as CUDA graphs where the runner captures decode steps (``False``: eager;
 ``benchmarks/loop_gpu.py --prefill-graphs`` compares the two)."""
 MAX_GRAPHS = 64
-"""Most prefill graphs one runner captures; a prefill of another bucket then runs eagerly."""
+"""Most prefill graphs one runner captures (its smallest token buckets); bigger prefills run
+eagerly."""
 log = logging.getLogger(__name__)
 
 
@@ -66,6 +67,9 @@ def token_buckets(most: int) -> list[int]:
 class PrefillGraphs:
     """The prefill graphs of one :class:`PagedRunner` (see the module docstring).
 
+    A graph is keyed by its token bucket; each has room for the runner's ``max_batch_size``
+    sequences.
+
     Args:
         runner: the :class:`~agentrl.inference.paged_runner.PagedRunner` whose ``_forward``
             the graphs capture (CUDA graphs on).
@@ -74,50 +78,46 @@ class PrefillGraphs:
 
     def __init__(self, runner: Any, max_tokens: int) -> None:
         self.runner = runner
-        self.token_buckets = token_buckets(max_tokens)
+        self.token_buckets = token_buckets(max_tokens)[:MAX_GRAPHS]
         self.pool: Any = None  # a CUDA graph pool handle, made at the first capture
-        # (tokens, sequences) -> graph, its device inputs, their pinned host copy, its output;
-        # sequences: always max_batch_size
+        # token bucket -> graph, its device inputs, their pinned host copy, its output
         self.graphs: dict[
-            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
 
-    def bucket(self, tokens: int, seqs: int) -> tuple[int, int] | None:
-        """The graph key for a prefill of that size, or ``None``: run it eagerly."""
-        t = next((b for b in self.token_buckets if b >= tokens), None)
-        if t is None or seqs > self.runner.max_batch_size:
+    def bucket(self, tokens: int, seqs: int) -> int | None:
+        """The token bucket of a prefill of that size, or ``None``: run it eagerly."""
+        if seqs > self.runner.max_batch_size:
             return None
-        key = (t, self.runner.max_batch_size)
-        return key if key in self.graphs or len(self.graphs) < MAX_GRAPHS else None
+        return next((b for b in self.token_buckets if b >= tokens), None)
 
     def capture_all(self) -> None:
         """Capture every bucket's graph now (the first uses then replay)."""
         t0 = time.perf_counter()
-        for t in self.token_buckets:
-            key = self.bucket(t, 1)
-            if key is not None and key not in self.graphs:
-                with torch.inference_mode(), device_context(self.runner.device):
-                    self._capture(key)
+        with torch.inference_mode(), device_context(self.runner.device):
+            for t in self.token_buckets:
+                if t not in self.graphs:
+                    self._capture(t)
         log.info(
             "prefill graphs: %d captured in %.1f s (up to %d tokens)",
             len(self.graphs), time.perf_counter() - t0, self.token_buckets[-1],
         )  # fmt: skip
 
-    def _blocks(self, key: tuple[int, int]) -> int:
+    def _sizes(self, t: int) -> tuple[int, int]:
+        """Query blocks and sequences of bucket ``t``'s inputs."""
+        s = self.runner.max_batch_size
         # each sequence's blocks: ceil(its tokens / per) <= its tokens / per + 1
-        return math.ceil(key[0] / self.runner.prefill_tokens) + key[1]
+        return math.ceil(t / self.runner.prefill_tokens) + s, s
 
-    def _padding(self, key: tuple[int, int]) -> torch.Tensor:
+    def _padding(self, t: int) -> torch.Tensor:
         """The inputs of a prefill with no real token (every column a padded one)."""
-        t, s = key
-        b = self._blocks(key)
+        b, s = self._sizes(t)
         out = torch.zeros(3 * t + 3 * b + s, dtype=torch.int64)
         out[3 * t : 3 * t + b] = self.runner.scratch_row  # padded blocks: the scratch row
         return out
 
-    def _body(self, key: tuple[int, int], static: torch.Tensor) -> torch.Tensor:
-        t, s = key
-        b = self._blocks(key)
+    def _body(self, t: int, static: torch.Tensor) -> torch.Tensor:
+        b, _ = self._sizes(t)
         ids, pos, slots = static[: 3 * t].view(3, t)
         rows, first, n = static[3 * t : 3 * t + 3 * b].view(3, b)
         runner = self.runner
@@ -125,40 +125,39 @@ class PrefillGraphs:
         hidden = runner._forward(ids, pos, slots, blocks)
         return hidden[static[3 * t + 3 * b :]]
 
-    def _capture(self, key: tuple[int, int]) -> None:
+    def _capture(self, t: int) -> None:
         device = self.runner.device
-        static = self._padding(key).to(device)
+        static = self._padding(t).to(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up: compiles and autotunes outside the capture
-            self._body(key, static)
+            self._body(t, static)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._body(key, static)
+            out = self._body(t, static)
         host = torch.empty(static.shape, dtype=torch.int64, pin_memory=True)
-        self.graphs[key] = (graph, static, host, out)
+        self.graphs[t] = (graph, static, host, out)
 
     def inputs(
         self,
-        key: tuple[int, int],
+        t: int,
         columns: tuple[list[int], ...],
         blocks: tuple[list[int], ...],
         last: list[int],
     ) -> torch.Tensor:
-        """The graph's inputs for a prefill (a CPU tensor), padded to ``key``'s bucket.
+        """The graph's inputs for a prefill (a CPU tensor), padded to token bucket ``t``.
 
         Args:
-            key: :meth:`bucket`'s key for the prefill.
+            t: :meth:`bucket`'s token bucket for the prefill.
             columns: the packed tokens' ids, positions and KV slots.
             blocks: the query blocks' block-table rows, first tokens and token counts.
             last: each sequence's last token (its index in ``columns``).
         """
-        t, _ = key
-        b = self._blocks(key)
-        out = self._padding(key)
+        b, _ = self._sizes(t)
+        out = self._padding(t)
         n, k = len(columns[0]), len(blocks[0])
         for i in range(3):
             out[i * t : i * t + n] = torch.tensor(columns[i], dtype=torch.int64)
@@ -166,23 +165,19 @@ class PrefillGraphs:
         out[3 * t + 3 * b : 3 * t + 3 * b + len(last)] = torch.tensor(last, dtype=torch.int64)
         return out
 
-    def run(
-        self,
-        key: tuple[int, int],
-        columns: tuple[list[int], ...],
-        blocks: tuple[list[int], ...],
-        last: list[int],
-    ) -> torch.Tensor:
-        """Hidden states ``(len(last), H)`` of each sequence's ``last`` token; writes the KV.
+    def run(self, t: int, inputs: torch.Tensor) -> torch.Tensor:
+        """Replay bucket ``t``'s graph on :meth:`inputs`; writes the tokens' keys and values.
 
-        The arguments are :meth:`inputs`'; the graph of ``key`` is captured at its first use.
+        Returns the hidden states ``(max_batch_size, H)`` of each sequence's last token, the
+        padded rows after the real ones. The graph is captured here if :meth:`capture_all` did
+        not.
         """
-        if key not in self.graphs:
-            self._capture(key)
-        graph, static, host, out = self.graphs[key]
+        if t not in self.graphs:
+            self._capture(t)
+        graph, static, host, out = self.graphs[t]
         # the pinned copy is reused: the engine's step has read its last result back (a sync)
         # since this graph's last replay, so no earlier copy from it is still pending
-        host.copy_(self.inputs(key, columns, blocks, last))
+        host.copy_(inputs)
         static.copy_(host, non_blocking=True)
         graph.replay()
-        return out[: len(last)]
+        return out
