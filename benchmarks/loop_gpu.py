@@ -221,7 +221,10 @@ def agentrl_loop(
 
     def on_step(rec: dict[str, Any]) -> None:
         if "perf/tokens" in rec:
-            torch.cuda.synchronize()
+            if int(rec["step"]) in (warmup, warmup + steps):  # the timed window's ends
+                # (a sync at every step would hold the event loop, and with it the engine's
+                # next plan, until the card is idle: a gap of the measurement's own a step)
+                torch.cuda.synchronize()
             marks[int(rec["step"])] = time.perf_counter()
             print(f"  {name} step {rec['step']}: {marks[int(rec['step'])] - t_start:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip

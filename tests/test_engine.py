@@ -302,6 +302,38 @@ async def test_update_from_disk_changes_version_and_outputs(engine, tmp_path, te
     assert engine.weight_version == 1  # a failed update changes nothing
 
 
+async def test_repeated_pushes_of_one_layout_are_one_copy_and_still_checked(engine):
+    # The in-process push hands over the same names, shapes and dtypes at every step: after the
+    # first (checked) load, one multi-tensor copy loads them, values read at that moment.
+    first = build_tiny_model(engine.tokenizer, seed=1).state_dict()
+    second = build_tiny_model(engine.tokenizer, seed=2).state_dict()
+    assert not engine._loader.repeats(first)
+    await engine.update_weights_from_state_dict(first, 1)
+    assert engine._loader.repeats(second)
+    await engine.update_weights_from_state_dict(second, 2)
+    with torch.no_grad():
+        second["model.norm.weight"].mul_(-3.0)  # a learner's update, in place
+    await engine.update_weights_from_state_dict(second, 3)
+    own = engine.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in second.items())
+    assert own["model.norm.weight"].min() < 0  # the in-place change arrived
+    assert engine.weight_version == 3
+    wrong = build_tiny_model(engine.tokenizer, hidden_size=64, head_dim=16).state_dict()
+    with pytest.raises(ServerError, match="expected shape"):
+        await engine.update_weights_from_state_dict(wrong, 4)
+    assert engine.weight_version == 3  # and the weights are still the third push's:
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in second.items())
+    missing = {k: v for k, v in second.items() if k != "model.norm.weight"}
+    with pytest.raises(ServerError, match="missing parameters"):
+        await engine.update_weights_from_state_dict(missing, 4)
+    wide = {k: v.double() * 1.5 for k, v in first.items()}  # another dtype: cast as copied
+    for version in (5, 6):
+        await engine.update_weights_from_state_dict(wide, version)
+        assert engine._loader.repeats(wide)
+        assert all(torch.equal(engine.model.state_dict()[k], v.float()) for k, v in wide.items())
+        wide["model.norm.weight"].add_(1.0)
+
+
 async def test_prompt_logprobs_and_request_validation(engine, teacher_logprobs):
     ids = [1, 5, 9, 14, 2]
     assert (

@@ -333,6 +333,23 @@ def test_save_pretrained_loads_back_with_hf(tmp_path: Path) -> None:
     assert (tmp_path / "w" / "tokenizer.json").exists()
 
 
+def test_live_weights_are_the_weights_until_their_storage_changes() -> None:
+    model, _ = build_tiny()
+    learner = Learner(model, LearnerConfig(lr=1e-3, dtype="bfloat16"))  # float32 masters
+    first = learner.live_weights()
+    name = "model.norm.weight"
+    assert first[name].data_ptr() == model.model.norm.weight.data_ptr()  # no copy, no cast
+    assert first[name].dtype == torch.float32 and first.keys() == model.state_dict().keys()
+    learner.step(make_samples(model))
+    again = learner.live_weights()
+    assert again is not first and all(again[k] is first[k] for k in first)  # no walk again
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.items())  # updated
+    model.model.norm.weight.data = model.model.norm.weight.data.clone() + 1  # new storage
+    fresh = learner.live_weights()
+    assert fresh[name].data_ptr() == model.model.norm.weight.data_ptr()
+    assert torch.equal(fresh[name], model.model.norm.weight)
+
+
 def test_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     model, _ = build_tiny()
     b1, b2 = make_samples(model, seed=1), make_samples(model, seed=2)

@@ -150,6 +150,42 @@ async def test_interrupted_turn_resumes_on_new_weights(models, wrapper) -> None:
     assert max(abs(a - b) for a, b in zip(v0[n:], v1[n:], strict=True)) > 0.1  # distinguishable
 
 
+async def test_episodes_started_as_an_interrupt_begins_sample_only_the_new_weights(models):
+    # ``then`` runs with the gate closed, before the step in flight ends: the episodes it
+    # starts prepare meanwhile; the embedded engine, once paused, queues their requests
+    engine = LocalEngine(build_tiny(seed=0)[0], build_tiny()[1], max_batch_size=8)
+    client = Recording(engine)
+    rollout = RolloutEngine(client, engine.tokenizer, one_turn_config())
+    first = asyncio.create_task(
+        rollout.run_groups(Turns, [Task(id="a", prompt="Tell me.", data={"turns": 1})])
+    )
+    (rid,) = await open_rids(client, 1)
+    async with asyncio.timeout(20):
+        while (engine.num_output_tokens(rid) or 0) < 4:
+            await asyncio.sleep(0.001)
+    later: list[asyncio.Task[Any]] = []
+
+    def then() -> None:
+        assert not engine.paused  # the pause has not begun
+        task = Task(id="b", prompt="Go on.", data={"turns": 1})
+        later.append(asyncio.create_task(rollout.run_groups(Turns, [task])))
+
+    await rollout.interrupt(then=then)
+    assert engine.paused and len(later) == 1
+    async with asyncio.timeout(20):  # a's re-sent turn and b's first one, queued
+        while engine.stats()["num_waiting_reqs"] < 2:
+            await asyncio.sleep(0.001)
+    await engine.update_weights_from_state_dict(models[1].state_dict(), 1)
+    await rollout.release()
+    (group_a,), (group_b,) = await first, await later[0]
+    (a,), (b,) = group_a.trajectories, group_b.trajectories
+    await engine.aclose()
+    assert a.info == {"interruptions": 1, "resumes": 1} and 0 in a.versions
+    assert set(b.versions[b.prompt_len :]) == {1} and len(b.tokens) - b.prompt_len == 64
+    for t in (a, b):
+        check_logprobs(t, {0: models[0], 1: models[1]})
+
+
 @pytest.mark.parametrize("http", [False, True])
 async def test_resumed_turns_are_prefilled_in_one_batch(models, http) -> None:
     # After a weight update every interrupted turn re-sends prompt + partial output; release()
@@ -180,8 +216,13 @@ async def test_resumed_turns_are_prefilled_in_one_batch(models, http) -> None:
     update = engine.update_weights_from_state_dict(models[1].state_dict(), 1)
     if http:
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(update, loop))
+        await asyncio.sleep(0.05)  # an SGLang-like server: the turns wait at the gate
+        assert engine.stats()["num_waiting_reqs"] == 0
     else:
         await update
+        async with asyncio.timeout(20):  # the embedded engine queues them while it is paused
+            while engine.stats()["num_waiting_reqs"] < 6:
+                await asyncio.sleep(0.001)
     before = engine.prefill_stats()
     await rollout.release()
     (group,) = await running

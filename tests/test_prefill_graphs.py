@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.inference.paged_runner import PagedRunner
-from agentrl.inference.prefill_graphs import MAX_GRAPHS, PrefillGraphs, token_buckets
+from agentrl.inference.prefill_graphs import MAX_GRAPHS, PrefillGraphs, pack_prefill, token_buckets
 
 
 def test_token_buckets_grow_by_half_steps_up_to_the_first_that_holds_the_most() -> None:
@@ -25,6 +25,34 @@ def test_token_buckets_grow_by_half_steps_up_to_the_first_that_holds_the_most() 
     ]  # fmt: skip
     assert token_buckets(40) == [16, 24, 32, 48]
     assert token_buckets(1) == [16]
+
+
+def test_packed_prefill_inputs_are_each_tokens_id_position_and_slot() -> None:
+    rng = torch.Generator().manual_seed(1)
+    page, per = 16, 48
+    lengths = torch.randint(1, 200, (40,), generator=rng).tolist()
+    tokens = [torch.randint(0, 1000, (n,), generator=rng).tolist() for n in lengths]
+    starts = [int(torch.randint(0, n, (1,), generator=rng)) for n in lengths]
+    pages = [torch.randperm(500, generator=rng)[: -(-n // page)].tolist() for n in lengths]
+    rows = torch.randperm(64, generator=rng)[:40].tolist()
+    columns, blocks, last = pack_prefill(rows, starts, tokens, pages, page, per)
+    want: list[list[int]] = [[], [], []]  # the definition, token by token
+    want_blocks: list[tuple[int, int, int]] = []
+    for row, start, toks, pgs in zip(rows, starts, tokens, pages, strict=True):
+        first = len(want[0])
+        for p in range(start, len(toks)):
+            want[0].append(toks[p])
+            want[1].append(p)
+            want[2].append(pgs[p // page] * page + p % page)
+        n = len(toks) - start
+        want_blocks += [(row, first + b, min(per, n - b)) for b in range(0, n, per)]
+    assert columns.dtype == blocks.dtype == last.dtype == torch.int64
+    assert columns.tolist() == want
+    assert list(zip(*blocks.tolist(), strict=True)) == want_blocks
+    assert last.tolist() == [
+        sum(n - s for n, s in zip(lengths[: i + 1], starts[: i + 1], strict=True)) - 1
+        for i in range(40)
+    ]
 
 
 def _model() -> Any:

@@ -45,12 +45,7 @@ import torch
 from agentrl.errors import ServerError
 from agentrl.inference._engine_ops import Batcher, ModelRunner, Request
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.inference.model_io import (
-    eos_token_ids,
-    load_model,
-    load_state_dict_strict,
-    read_safetensors_dir,
-)
+from agentrl.inference.model_io import WeightLoader, eos_token_ids, load_model, read_safetensors_dir
 from agentrl.inference.paged_batcher import build_paged
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.routing_records import RoutingRecorder, records_routing, refusal
@@ -92,6 +87,8 @@ class LocalEngine:
             ``--enable-return-routed-experts``); default: on for an MoE model off the paged path.
     """
 
+    queues_while_paused = True  # a request sent while paused waits for resume (rollout's gate)
+
     def __init__(
         self,
         model: Any,
@@ -120,7 +117,7 @@ class LocalEngine:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
-        self.model = model.eval()
+        self.model, self._loader = model.eval(), WeightLoader(model)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
@@ -333,8 +330,11 @@ class LocalEngine:
         async with self._update_lock:
             try:
                 await self._drain()
-                async with self._lock:
-                    await asyncio.to_thread(self._load, state_dict)
+                async with self._lock:  # a repeated layout is two multi-tensor copies: no thread
+                    if self._loader.repeats(state_dict):
+                        self._load(state_dict)
+                    else:
+                        await asyncio.to_thread(self._load, state_dict)
                     self._batcher.weights_changed()
                     if weight_version is not None:
                         self._version = int(weight_version)
@@ -348,7 +348,7 @@ class LocalEngine:
         logger.info("engine weights updated; weight_version=%d", self._version)
 
     def _load(self, state_dict: dict[str, torch.Tensor]) -> None:  # in place, device to device
-        load_state_dict_strict(self.model, state_dict)
+        self._loader.load(state_dict)
         if self._paged is not None:
             self._paged.refresh_weights()
 

@@ -3,6 +3,8 @@
 - :func:`load_model`: an HF model directory, or a no-download ``agentrl.tiny`` preset.
 - :func:`read_safetensors_dir` and :func:`load_state_dict_strict`: HF safetensors weights into a
   live model, all or nothing (names and shapes are checked before anything is copied).
+- :class:`WeightLoader`: the same, with a repeated push (same names, shapes, dtypes and devices)
+  done as one multi-tensor copy without checking again.
 - :func:`eos_token_ids`: every id that ends a generation (model, generation config, tokenizer).
 """
 
@@ -85,6 +87,48 @@ def load_state_dict_strict(model: torch.nn.Module, state_dict: dict[str, torch.T
                 own[name].copy_(tensor)
         if dst:
             torch._foreach_copy_(dst, src)
+
+
+class WeightLoader:
+    """Loads pushed state dicts into ``model``; a repeat of the last layout is one copy.
+
+    The in-process push hands over the learner's weights at every step under the same names,
+    shapes, dtypes and devices. The first push of a layout is checked and loaded by
+    :func:`load_state_dict_strict`; a later one with that layout (:meth:`repeats`) is a single
+    ``torch._foreach_copy_`` into the targets found then (casting where the dtypes differ).
+    That matters because the push is host-bound: each torch call of a per-tensor load gives up
+    the GIL, which the event loop's and the learner's threads then hold (a push of the 0.6B
+    shape took 23-98 ms on an H100, with the card idle).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._key: tuple[tuple[Any, ...], ...] | None = None
+        self._targets: list[torch.Tensor] = []
+
+    @staticmethod
+    def _layout(state_dict: dict[str, torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
+        return tuple((k, type(v), v.shape, v.dtype, v.device) for k, v in state_dict.items())
+
+    def repeats(self, state_dict: dict[str, torch.Tensor]) -> bool:
+        """Whether ``state_dict`` has the layout of the last load that can be one copy."""
+        return self._key is not None and self._layout(state_dict) == self._key
+
+    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy ``state_dict`` into the model (see :func:`load_state_dict_strict`).
+
+        Raises:
+            ValueError: names or shapes do not match the model (nothing is changed then).
+        """
+        if self.repeats(state_dict):
+            with torch.no_grad():
+                torch._foreach_copy_(self._targets, list(state_dict.values()))
+            return
+        self._key = None
+        load_state_dict_strict(self.model, state_dict)
+        if not any(hasattr(v, "full_tensor") for v in state_dict.values()):  # no gather
+            own = self.model.state_dict()
+            self._key, self._targets = self._layout(state_dict), [own[k] for k in state_dict]
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from agentrl.inference.kv_cache import PagedKVCache
-from agentrl.inference.prefill_graphs import PrefillGraphs
+from agentrl.inference.prefill_graphs import PrefillGraphs, pack_prefill
 from agentrl.inference.sampling import row_keys, sample
 from agentrl.kernels import invariant
 from agentrl.kernels.fused_layer import (
@@ -323,41 +323,20 @@ class PagedRunner:
         """
         columns, qbs, last = self.pack_prefill(rows, starts, tokens, pages)
         graphs = self._prefill_graphs
-        t = None if graphs is None else graphs.bucket(len(columns[0]), len(rows))
+        t = None if graphs is None else graphs.bucket(columns.shape[1], len(rows))
         if graphs is not None and t is not None:
             hidden = graphs.run(t, graphs.inputs(t, columns, qbs, last))
             return self._logits(hidden[: len(rows)])
-        meta = to_device(torch.tensor(columns, dtype=torch.int64), self.device)
-        qb = to_device(torch.tensor(qbs, dtype=torch.int64), self.device)
+        meta, qb = to_device(columns, self.device), to_device(qbs, self.device)
         blocks = QueryBlocks(qb[0], qb[1], qb[2], self._tile(self.prefill_tokens))
         hidden = self._forward(meta[0], meta[1], meta[2], blocks)
-        return self._logits(hidden[to_device(torch.tensor(last), self.device)])
+        return self._logits(hidden[to_device(last, self.device)])
 
     def pack_prefill(
         self, rows: list[int], starts: list[int], tokens: list[list[int]], pages: list[list[int]]
-    ) -> tuple[tuple[list[int], ...], tuple[list[int], ...], list[int]]:
-        """:meth:`prefill`'s packed inputs, as lists.
-
-        Returns: the new tokens' (ids, positions, KV slots), the query blocks' (rows, first
-        tokens, counts) and each sequence's last token (its index among the new tokens).
-        """
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qb_row, qb_tok, qb_n, last = [], [], [], []
-        per = self.prefill_tokens
-        for row, start, toks, pgs in zip(rows, starts, tokens, pages, strict=True):
-            first = len(ids)
-            ids += toks[start:]
-            span = range(start, len(toks))
-            pos += span
-            slots += [pgs[p // self.page_size] * self.page_size + p % self.page_size for p in span]
-            for b in range(first, len(ids), per):
-                qb_row.append(row)
-                qb_tok.append(b)
-                qb_n.append(min(per, len(ids) - b))
-            last.append(len(ids) - 1)
-        return (ids, pos, slots), (qb_row, qb_tok, qb_n), last
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`prefill`'s packed inputs (:func:`~.prefill_graphs.pack_prefill`)."""
+        return pack_prefill(rows, starts, tokens, pages, self.page_size, self.prefill_tokens)
 
     def _decode_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from array import array
 from typing import Any
 
 import torch
@@ -62,6 +63,54 @@ def token_buckets(most: int) -> list[int]:
         out += [k + k // 2, 2 * k]
         k *= 2
     return [b for i, b in enumerate(out) if i == 0 or out[i - 1] < most]
+
+
+def pack_prefill(
+    rows: list[int],
+    starts: list[int],
+    tokens: list[list[int]],
+    pages: list[list[int]],
+    page_size: int,
+    per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill's packed inputs (CPU int64): what :meth:`PrefillGraphs.inputs` pads.
+
+    Each sequence feeds ``tokens[i][starts[i]:]`` into its block-table row ``rows[i]`` (pages
+    ``pages[i]``), cut into query blocks of at most ``per_block`` tokens.
+
+    Returns:
+        The new tokens' ids, positions and KV slots ``(3, N)``; the query blocks' rows, first
+        tokens and counts ``(3, K)``; each sequence's last token (its index among the new ones).
+    """
+    ids, flat_pages = array("q"), array("q")  # C arrays: a copy of each list, not an int each
+    counts, page0 = [], []
+    for start, toks, pgs in zip(starts, tokens, pages, strict=True):
+        ids.extend(toks[start:] if start else toks)
+        counts.append(len(toks) - start)
+        page0.append(len(flat_pages))
+        flat_pages.extend(pgs)
+    n = torch.tensor(counts, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(counts)), n)
+    ends = torch.cumsum(n, 0)
+    pos = torch.arange(len(ids)) - (ends - n)[seq] + torch.tensor(starts, dtype=torch.int64)[seq]
+    page = _int64(flat_pages)[torch.tensor(page0, dtype=torch.int64)[seq] + pos // page_size]
+    columns = torch.stack([_int64(ids), pos, page * page_size + pos % page_size])
+    blocks: list[list[int]] = [[], [], []]  # a sequence's tokens in blocks of per_block
+    first = 0
+    for row, k in zip(rows, counts, strict=True):
+        for b in range(first, first + k, per_block):
+            blocks[0].append(row)
+            blocks[1].append(b)
+            blocks[2].append(min(per_block, first + k - b))
+        first += k
+    return columns, torch.tensor(blocks, dtype=torch.int64), ends - 1
+
+
+def _int64(values: array) -> torch.Tensor:
+    """A C array of int64 as a tensor (sharing its memory)."""
+    return (
+        torch.frombuffer(values, dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
+    )
 
 
 class PrefillGraphs:
@@ -142,27 +191,21 @@ class PrefillGraphs:
         self.graphs[t] = (graph, static, host, out)
 
     def inputs(
-        self,
-        t: int,
-        columns: tuple[list[int], ...],
-        blocks: tuple[list[int], ...],
-        last: list[int],
+        self, t: int, columns: torch.Tensor, blocks: torch.Tensor, last: torch.Tensor
     ) -> torch.Tensor:
         """The graph's inputs for a prefill (a CPU tensor), padded to token bucket ``t``.
 
         Args:
             t: :meth:`bucket`'s token bucket for the prefill.
-            columns: the packed tokens' ids, positions and KV slots.
-            blocks: the query blocks' block-table rows, first tokens and token counts.
-            last: each sequence's last token (its index in ``columns``).
+            columns: :func:`pack_prefill`'s token ids, positions and KV slots.
+            blocks: its query blocks.
+            last: its sequences' last tokens.
         """
         b, _ = self._sizes(t)
         out = self._padding(t)
-        n, k = len(columns[0]), len(blocks[0])
-        for i in range(3):
-            out[i * t : i * t + n] = torch.tensor(columns[i], dtype=torch.int64)
-            out[3 * t + i * b : 3 * t + i * b + k] = torch.tensor(blocks[i], dtype=torch.int64)
-        out[3 * t + 3 * b : 3 * t + 3 * b + len(last)] = torch.tensor(last, dtype=torch.int64)
+        out[: 3 * t].view(3, t)[:, : columns.shape[1]] = columns
+        out[3 * t : 3 * t + 3 * b].view(3, b)[:, : blocks.shape[1]] = blocks
+        out[3 * t + 3 * b : 3 * t + 3 * b + len(last)] = last
         return out
 
     def run(self, t: int, inputs: torch.Tensor) -> torch.Tensor:

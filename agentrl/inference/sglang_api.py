@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import zlib
+from array import array
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +180,19 @@ def check_update_response(raw: bytes, url: str) -> None:
 # ---- server side: request validation --------------------------------------------------------
 
 
+def _ids_in_range(ids: list[int], vocab_size: int) -> bool:
+    """Whether every id is an int in ``[0, vocab_size)``, checked in C.
+
+    A check per token in Python took ~9 ms (2-core CPU) for the 128 requests that a weight
+    push re-sends, on the engine's event loop.
+    """
+    try:
+        packed = array("q", ids)  # refuses what is not an integer
+    except (TypeError, OverflowError):
+        return False
+    return 0 <= min(packed) and max(packed) < vocab_size
+
+
 def request_problem(
     input_ids: list[int],
     params: SamplingParams,
@@ -192,8 +206,8 @@ def request_problem(
         return "input_ids: expected a non-empty list of token ids, got []"
     if rid is not None and rid in open_rids:
         return f"Duplicate request ID detected: {rid}"
-    bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
+    if not _ids_in_range(input_ids, vocab_size):
+        bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         return f"input_ids: expected ids in [0, {vocab_size}), got {bad[:3]}"
     if len(input_ids) >= max_model_len or len(input_ids) + params.max_new_tokens > max_model_len:
         return (

@@ -13,9 +13,10 @@ Design:
   starts the groups it admits at once (else, with equal-length episodes, whose groups all end
   together, the next step's groups would wait for the current ones and the engine would
   decode half the rows it may: 1.31x the loop's tokens/s on an H100 with both), as soon as
-  rollouts are interrupted for it: their first requests wait at the gate until the push is
-  done, so they start during it. Tasks come from the trainer's seeded cursor and a task's
-  episode seeds derive from its position in that stream, exactly as in the synchronous loop.
+  rollouts are interrupted for it: their first requests wait (at the gate, or queued in
+  the paused embedded engine) until the push is done, so they start during it. Tasks come
+  from the trainer's seeded cursor and a task's episode seeds derive from its position in that
+  stream, exactly as in the synchronous loop.
 - **Batch assembly.** A step starts once the buffer holds ``tokens_per_step`` response tokens of
   complete groups (or ``tasks_per_step`` groups when no token budget is set) and no due group
   (below) is still running; it takes the due groups, then the oldest others up to the budget;
@@ -346,8 +347,8 @@ class Pipeline:
 
     def _next_version(self) -> None:
         # groups started from now on generate on the weights being pushed (rollouts are
-        # interrupted: their first requests wait at the gate, so the episodes start during the
-        # push instead of after it while the engine idles)
+        # interrupted: their first requests wait at the gate or in the paused engine's queue, so
+        # the episodes start during the push instead of after it while the engine idles)
         self._served, self._taken_before_served = self.trainer.step, self.stats.trained
         self._fill()  # the new version admits more: start them now, not when a group ends
 

@@ -254,7 +254,8 @@ async def push_weights(
         out["time/weight_write_s"] = time.perf_counter() - t
         await client.update_weights_from_disk(str(remote_dir.resolve()), version)
     else:
-        await client.update_weights_from_state_dict(learner.state_dict_for_inference(), version)
+        # the learner's own (float32) tensors: the engine casts them as it copies them in
+        await client.update_weights_from_state_dict(learner.live_weights(), version)
         if learner.device.type == "cuda":
             torch.cuda.synchronize(learner.device)  # the copy is done when the time is taken
     out["time/sync_s"] = time.perf_counter() - t

@@ -260,8 +260,8 @@ class Trainer:
                 thread so the event loop keeps serving them, and they are interrupted around the
                 weight push (partial rollouts) and released after it.
             on_next_version: called once new episodes can only generate on the pushed weights:
-                overlapped, right after the interrupt (their requests wait at the gate until
-                the push is done, so they start during it); else after the push.
+                overlapped, as the interrupt begins (their requests wait, at the gate or in
+                the paused engine's queue, until the push is done); else after the push.
 
         Returns:
             ``metrics`` with the learner's figures, ``rollout/zero_signal_groups``,
@@ -294,9 +294,7 @@ class Trainer:
             write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
         if overlapped:
             try:
-                await self.rollout.interrupt()
-                if on_next_version is not None:
-                    on_next_version()
+                await self.rollout.interrupt(then=on_next_version)
                 await self.sync_weights()
             finally:
                 await self.rollout.release()

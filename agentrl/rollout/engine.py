@@ -119,14 +119,12 @@ def _pausable(client: object) -> _Pausable | None:
     Python 3.12 ignores attributes that a wrapping client forwards through ``__getattr__``.
     """
     names = ("pause", "continue_generation")
-    if all(callable(getattr(client, name, None)) for name in names):
-        return cast(_Pausable, client)
-    return None
+    ok = all(callable(getattr(client, name, None)) for name in names)
+    return cast(_Pausable, client) if ok else None
 
 
-_RESEND_YIELDS = 100
-"""Most event-loop turns that :meth:`RolloutEngine.release` waits for the turns at the gate to
-pass it (they all wake in one turn; the bound only guards against a stuck one)."""
+_RESEND_YIELDS = 100  # most loop turns release() waits for turns to pass the gate (all wake in
+# one turn; the bound only guards against a stuck one)
 
 
 def _attempt_seed(seed: int | None, attempt: int) -> int | None:
@@ -382,33 +380,37 @@ class RolloutEngine:
             endpoint=out.endpoint,
         )
 
-    async def interrupt(self) -> None:
+    async def interrupt(self, then: Callable[[], None] | None = None) -> None:
         """Cut off in-flight generation for a weight update (partial rollouts).
 
-        New requests wait at a gate; running ones are aborted and return what they sampled so
+        New requests wait at a gate (``then`` runs once it is closed: episodes it starts prepare
+        while the step in flight ends); running ones are aborted and return what they sampled so
         far, which the episodes keep (or, with ``interrupt_mode`` ``retract`` or ``in_place``,
-        stay open in the paused server). A client that can pause (the embedded engine, SGLang) is
-        paused in that mode (``abort``: SGLang repeats it until no request holds the model, and
-        a request still in transit waits for :meth:`release` instead of running on the old
-        weights); any other client gets ``abort(None)``. Push the new weights, then
-        call :meth:`release`.
+        stay open in the paused server). A client that can pause is paused in that mode (SGLang
+        repeats an abort until no request holds the model, and a request in transit waits for
+        :meth:`release`; one that ``queues_while_paused``, the embedded engine, opens the gate
+        once paused: the turns re-send during the push); any other gets ``abort(None)``. Push
+        the new weights, then call :meth:`release`.
         """
         self._epoch += 1
         self._gate.clear()
+        if then is not None:
+            then()
         pausable = _pausable(self.client)
         if pausable is not None:
             self._paused = True  # (before the call: a pause that half failed is undone too)
             await pausable.pause(self.config.interrupt_mode)
+            if getattr(self.client, "queues_while_paused", False):
+                self._gate.set()
         else:
             await self.client.abort(None)
 
     async def release(self) -> None:
         """Let generation continue (on the new weights) after :meth:`interrupt`.
 
-        The gate opens first, while the server is still paused: the interrupted turns re-send
-        at once and queue there, so that ``continue_generation`` finds them all and prefills
-        them in one batch instead of one by one as they arrive. The gate opens even if
-        ``continue_generation`` fails (the error propagates).
+        The gate opens first (even if ``continue_generation`` then fails), while the server is
+        still paused: the interrupted turns re-send and queue there, so that it finds them all
+        and prefills them in one batch, not one by one as they arrive.
         """
         pausable = _pausable(self.client)
         self._gate.set()
