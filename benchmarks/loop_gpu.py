@@ -50,7 +50,8 @@ retries (each free synchronises the device).
 
 ``--prefill-graphs on off`` runs the engine's prefills as CUDA graphs or eagerly, side by side;
 ``--stacks`` samples every Python thread's stack each ms and prints (``[stacks]``) where each
-thread was while the card idled 5 ms or more (untried on a card yet). ``[progress]`` counts the
+thread was while the card idled 5 ms or more (it holds the GIL as it samples: leave it off
+for the headline figures). ``[progress]`` counts the
 timed steps' garbage collections by generation (``gc [young, middle, full] [ms]``).
 
 ``--engine process`` runs agentrl's engine in a process of its own on the same card
@@ -291,7 +292,7 @@ def agentrl_loop(
         "inflight_groups": inflight,
         "engine_running_rows": running,
         "syncs_per_step": {k: v / steps for k, v in syncs.parts.items()},
-        "gc": seen["gc"],
+        "gc": seen["gc"],  # the timed steps' collections by generation: count, ms, full ones
         # each thread's most sampled places (1 ms samples) while the card idled 5 ms or more
         "stacks": None
         if sampler is None
@@ -301,7 +302,7 @@ def agentrl_loop(
                 for a, d in kernels.timeline["idle_gaps"]
                 if d >= 5
             ]
-        ),  # fmt: skip  # the timed steps' collections by generation: count, ms, full ones
+        ),  # fmt: skip
         # cudaMalloc / cudaFree (device-wide synchronisations) and allocator retries per step
         "allocator_per_step": seen["alloc"],
         "stream_gaps": kernels.gaps,

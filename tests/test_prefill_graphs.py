@@ -88,7 +88,9 @@ def test_padded_prefill_inputs_compute_what_the_eager_prefill_computes() -> None
         runner = _runner(model)
         with torch.inference_mode():
             runner.prefill([2], [0], [SEQS[2][:16]], [PAGES[2]])  # the cached prefix, eagerly
-            columns, blocks, last = runner.pack_prefill([0, 1, 2], STARTS, SEQS, PAGES)
+            columns, blocks, last = pack_prefill(
+                [0, 1, 2], STARTS, SEQS, PAGES, runner.page_size, runner.prefill_tokens
+            )
             if pad:
                 graphs = PrefillGraphs(runner, 1024)
                 t = graphs.bucket(len(columns[0]), 3)

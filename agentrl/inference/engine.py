@@ -331,10 +331,10 @@ class LocalEngine:
             try:
                 await self._drain()
                 async with self._lock:  # a repeated layout is two multi-tensor copies: no thread
-                    if self._loader.repeats(state_dict):
-                        self._load(state_dict)
+                    if repeat := self._loader.repeats(state_dict):
+                        self._load(state_dict, repeat)
                     else:
-                        await asyncio.to_thread(self._load, state_dict)
+                        await asyncio.to_thread(self._load, state_dict, repeat)
                     self._batcher.weights_changed()
                     if weight_version is not None:
                         self._version = int(weight_version)
@@ -347,8 +347,8 @@ class LocalEngine:
                 self._wake.set()
         logger.info("engine weights updated; weight_version=%d", self._version)
 
-    def _load(self, state_dict: dict[str, torch.Tensor]) -> None:  # in place, device to device
-        self._loader.load(state_dict)
+    def _load(self, state_dict: dict[str, torch.Tensor], repeat: bool | None = None) -> None:
+        self._loader.load(state_dict, repeat)  # in place, device to device
         if self._paged is not None:
             self._paged.refresh_weights()
 

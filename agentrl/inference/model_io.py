@@ -114,13 +114,15 @@ class WeightLoader:
         """Whether ``state_dict`` has the layout of the last load that can be one copy."""
         return self._key is not None and self._layout(state_dict) == self._key
 
-    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load(self, state_dict: dict[str, torch.Tensor], repeat: bool | None = None) -> None:
         """Copy ``state_dict`` into the model (see :func:`load_state_dict_strict`).
+
+        ``repeat``: what :meth:`repeats` just said of it (``None``: find out here).
 
         Raises:
             ValueError: names or shapes do not match the model (nothing is changed then).
         """
-        if self.repeats(state_dict):
+        if self.repeats(state_dict) if repeat is None else repeat:
             with torch.no_grad():
                 torch._foreach_copy_(self._targets, list(state_dict.values()))
             return

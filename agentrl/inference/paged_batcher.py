@@ -362,6 +362,7 @@ def build_paged(
     max_batch_size: int,
     decode_steps: int = 1,
     max_model_len: int,
+    max_prefill_tokens: int,
     emulate_precision_casts: bool = False,
     batch_invariant: bool = False,
     **kwargs: Any,
@@ -388,6 +389,8 @@ def build_paged(
         decode_steps: most decode steps run back to back when nothing can join.
         max_batch_size: most sequences decoded together.
         max_model_len: longest sequence.
+        max_prefill_tokens: most new tokens prefilled in one step (also the largest prefill
+            graph's bucket, with prefill graphs on).
         **kwargs: the rest of :class:`Batcher`'s keyword arguments.
     """
     cfg = model.config
@@ -418,9 +421,7 @@ def build_paged(
         compile=compile,
         emulate_precision_casts=emulate_precision_casts,
         batch_invariant=batch_invariant,
-        prefill_graph_tokens=kwargs.get("max_prefill_tokens", 16384)
-        if prefill_graphs.PREFILL_GRAPHS
-        else 0,
+        prefill_graph_tokens=max_prefill_tokens if prefill_graphs.PREFILL_GRAPHS else 0,
     )
     batcher = PagedBatcher(
         runner,
@@ -429,6 +430,7 @@ def build_paged(
         decode_steps=decode_steps,
         max_batch_size=max_batch_size,
         max_model_len=max_model_len,
+        max_prefill_tokens=max_prefill_tokens,
         **kwargs,
     )
     return runner, batcher

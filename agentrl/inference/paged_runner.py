@@ -321,7 +321,9 @@ class PagedRunner:
             tokens: each sequence's whole token list.
             pages: each sequence's pages.
         """
-        columns, qbs, last = self.pack_prefill(rows, starts, tokens, pages)
+        columns, qbs, last = pack_prefill(
+            rows, starts, tokens, pages, self.page_size, self.prefill_tokens
+        )
         graphs = self._prefill_graphs
         t = None if graphs is None else graphs.bucket(columns.shape[1], len(rows))
         if graphs is not None and t is not None:
@@ -331,12 +333,6 @@ class PagedRunner:
         blocks = QueryBlocks(qb[0], qb[1], qb[2], self._tile(self.prefill_tokens))
         hidden = self._forward(meta[0], meta[1], meta[2], blocks)
         return self._logits(hidden[to_device(last, self.device)])
-
-    def pack_prefill(
-        self, rows: list[int], starts: list[int], tokens: list[list[int]], pages: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`prefill`'s packed inputs (:func:`~.prefill_graphs.pack_prefill`)."""
-        return pack_prefill(rows, starts, tokens, pages, self.page_size, self.prefill_tokens)
 
     def _decode_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
