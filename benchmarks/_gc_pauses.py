@@ -7,14 +7,23 @@ that is time the engine's and the learner's threads cannot launch kernels.
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 import time
+from collections import Counter
 from typing import Any
 
 
 class GcPauses:
-    """Collections by generation between :meth:`start` and :meth:`stop` (``gc.callbacks``)."""
+    """Collections by generation between :meth:`start` and :meth:`stop` (``gc.callbacks``).
 
-    def __init__(self) -> None:
+    ``sites``: also count where each young collection began (the thread, and the innermost
+    frames of agentrl, torch or triton code in it): a young collection starts at the allocation
+    that crossed the threshold, so the counts sample where tracked objects are allocated.
+    """
+
+    def __init__(self, sites: bool = False) -> None:
+        self.sites: Counter[str] | None = Counter() if sites else None
         self.t0: float | None = None
         self._began = 0.0
         self.counts = [0, 0, 0]
@@ -28,6 +37,8 @@ class GcPauses:
         now = time.perf_counter()
         if phase == "start":
             self._began = now
+            if self.sites is not None and info["generation"] == 0:
+                self.sites[_site()] += 1
             return
         gen, took = int(info["generation"]), (now - self._began) * 1e3
         self.counts[gen] += 1
@@ -44,4 +55,19 @@ class GcPauses:
         self.t0 = None
         gc.callbacks.remove(self._on)
         ms = [round(m, 1) for m in self.ms]
-        return {"collections": self.counts, "ms": ms, "full": self.full}
+        top = None if self.sites is None else dict(self.sites.most_common(25))
+        return {"collections": self.counts, "ms": ms, "full": self.full, "sites": top}
+
+
+def _site() -> str:
+    """The calling thread's name and its three innermost agentrl/torch/triton frames."""
+    frame, names = sys._getframe(0).f_back, []  # (``_on``: skipped, it is in benchmarks/)
+    frame = frame.f_back if frame is not None else None
+    while frame is not None and len(names) < 3:
+        path = frame.f_code.co_filename
+        for lib in ("agentrl/", "torch/", "triton/", "benchmarks/"):
+            if lib in path:
+                names.append(f"{lib}{path.split(lib)[-1]}:{frame.f_lineno}")
+                break
+        frame = frame.f_back
+    return f"{threading.current_thread().name}: {' < '.join(names) or '?'}"

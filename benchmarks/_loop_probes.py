@@ -454,9 +454,9 @@ class EngineSteps:
         def now() -> float | None:
             return None if self.t0 is None else round((time.perf_counter() - self.t0) * 1e3, 2)
 
-        def timed_compute(plan: Any) -> Any:
+        def timed_compute(plan: Any, *args: Any) -> Any:
             a = now()
-            out = compute(plan)
+            out = compute(plan, *args)
             if a is not None:
                 joining = sum(len(r.prompt) + len(r.output_ids) for r in plan.admit)
                 self.steps.append([a, now(), len(plan.decode), len(plan.admit), joining,

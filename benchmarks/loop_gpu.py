@@ -49,6 +49,9 @@ yet); ``allocator_per_step`` counts the caching allocator's device allocations, 
 retries (each free synchronises the device).
 
 ``--prefill-graphs on off`` runs the engine's prefills as CUDA graphs or eagerly, side by side;
+``--deliver-at-launch on off`` hands a step's finished requests their results once the next
+step is launched, or at once (the engine before 2026-11-28); ``--gc-sites`` counts where young
+collections begin (``[gc]``: thread and frames; they sample where tracked objects are made);
 ``--stacks`` samples every Python thread's stack each ms and prints (``[stacks]``) where each
 thread was while the card idled 5 ms or more (it holds the GIL as it samples: leave it off
 for the headline figures). ``[progress]`` counts the
@@ -144,6 +147,8 @@ def agentrl_loop(
     decode_steps: int | None = None,
     settle_ms: float | None = None,
     stacks: bool = False,
+    deliver_at_launch: bool = True,
+    gc_sites: bool = False,
 ) -> dict[str, Any]:
     """agentrl's whole loop on the card; throughput, wall split, GPU busy, push time.
 
@@ -208,7 +213,7 @@ def agentrl_loop(
         if server is not None:
             stop_server(server)
         raise
-    busy, kernels, syncs, gcp = GpuBusy(), KernelBusy(gaps), SyncCount(), GcPauses()
+    busy, kernels, syncs, gcp = GpuBusy(), KernelBusy(gaps), SyncCount(), GcPauses(gc_sites)
     sampler = StackSampler() if stacks else None
     rows_seen = EngineRows(
         (lambda: server_running_rows(url)) if url else
@@ -216,6 +221,15 @@ def agentrl_loop(
                        for k in ("num_running_reqs", "num_waiting_reqs")))
     )  # fmt: skip
     engine_steps = None if url else EngineSteps(trainer.client, trainer)
+    if not deliver_at_launch and not url:  # the engine before: results before the next launch
+        batcher = trainer.client._batcher
+        apply = batcher.apply
+
+        def apply_then_deliver(*args: Any) -> None:
+            apply(*args)
+            batcher.deliver()
+
+        batcher.apply = apply_then_deliver
     marks: dict[int, float] = {}
 
     t_start = time.perf_counter()
@@ -243,8 +257,10 @@ def agentrl_loop(
                     syncs.start()
             if int(rec["step"]) == warmup + steps:  # before the run's final eval and checkpoint
                 syncs.stop()
-                seen.update(running=rows_seen.stop(), smi=busy.stop(), kernels=kernels.stop(),
-                            gc=gcp.stop())  # fmt: skip
+                # the collections first: reading the kernel trace makes ~9,000 young ones
+                # (counted in the timed steps' until 2026-11-28: their "0.4-0.6 s" was this)
+                seen.update(gc=gcp.stop(), running=rows_seen.stop(), smi=busy.stop(),
+                            kernels=kernels.stop())  # fmt: skip
                 if sampler is not None:
                     sampler.stop()
                 seen["engine_steps"] = engine_steps.stop() if engine_steps else None
@@ -378,6 +394,15 @@ def main() -> None:
     )
     ap.add_argument("--prefill-graphs", nargs="+", default=["on"], choices=["on", "off"],
                     help="the engine's prefills as CUDA graphs; several: side by side")  # fmt: skip
+    ap.add_argument(
+        "--gc-sites",
+        action="store_true",
+        help="count where young collections begin, by thread and frames ([gc])",
+    )
+    ap.add_argument("--deliver-at-launch", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the in-process engine hands a step's finished requests their results "
+                         "once the next step is launched (on) or at once (off, as before); "
+                         "several: side by side")  # fmt: skip
     ap.add_argument("--engine", nargs="+", default=["thread"], choices=["thread", "process"],
                     help="agentrl's engine in the trainer's process (thread) or in an 'agentrl "
                          "serve' process on the card (process); several: side by side, the last "
@@ -393,7 +418,7 @@ def main() -> None:
     for name in a.workloads:
         runs: dict[str, dict[str, Any]] = {}
         settle_default = engine_module.RESUME_SETTLE_MAX_S
-        for engine, switch_ms, mbt, inflight, mode, steps, settle, pg in itertools.product(
+        for engine, switch_ms, mbt, inflight, mode, steps, settle, pg, dl in itertools.product(
             a.engine,
             a.switch_interval_ms,
             a.micro_batch_tokens,
@@ -402,6 +427,7 @@ def main() -> None:
             a.decode_steps,
             a.resume_settle_ms,
             a.prefill_graphs,
+            a.deliver_at_launch,
         ):
             prefill_module.PREFILL_GRAPHS = pg == "on"
             engine_module.RESUME_SETTLE_MAX_S = settle_default
@@ -409,12 +435,12 @@ def main() -> None:
             ours = agentrl_loop(name, a.steps, a.warmup, a.max_staleness, a.engine_rows,
                                 a.count_syncs, switch_ms, engine == "process",
                                 a.stream_gaps, inflight, mode, steps, settle,
-                                a.stacks)  # fmt: skip
+                                a.stacks, dl == "on", a.gc_sites)  # fmt: skip
             label = (f"engine {engine}, switch interval {switch_ms} ms, micro-batch {mbt}, "
                      f"in-flight groups {ours['inflight_groups']}, interrupt {mode}, "
                      f"decode steps {ours['decode_steps']}, resume settle "
                      f"{settle_default * 1e3 if settle is None else settle:g} ms, "
-                     f"prefill graphs {pg}")  # fmt: skip
+                     f"prefill graphs {pg}, deliver at launch {dl}")  # fmt: skip
             keys = ("tokens_per_s", "gpu_busy", "gpu_busy_nvidia_smi", "step_s",
                     "learner_tokens_per_s", "weight_push_s", "time_split_s",
                     "engine_running_rows", "mismatch", "gc")  # fmt: skip
@@ -423,6 +449,8 @@ def main() -> None:
             if ours["stream_gaps"]:
                 print(f"[gaps] {json.dumps(ours['stream_gaps'])}", flush=True)
             print(f"[timeline] {json.dumps(ours['timeline'])}", flush=True)
+            if ours["gc"]["sites"]:
+                print(f"[gc] {json.dumps(ours['gc']['sites'])}", flush=True)
             if ours["stacks"] is not None:
                 print(f"[stacks] {json.dumps(ours['stacks'])}", flush=True)
             print(f"[progress] {name}, {label}: {ours['tokens_per_s']:,.0f} tokens/s, "

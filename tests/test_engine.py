@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from typing import Any
 
@@ -210,6 +211,54 @@ async def test_abort_during_a_step_keeps_the_token_it_samples(engine, teacher_lo
         assert not other.done()
         await engine.abort("o")
     assert (await other).finish_reason == "abort"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+async def test_finished_requests_get_their_results_once_the_next_step_is_launched(
+    tiny, teacher_logprobs, paged
+):
+    # A request's caller (an episode's next turn, its reward) must not hold up the next step's
+    # launch: a request that ends in a step gets its result once the next step is queued (on a
+    # CPU: as it starts), or as soon as no step follows.
+    model, tokenizer = tiny
+    eng = LocalEngine(copy.deepcopy(model), tokenizer, seed=0, paged=paged)
+    batcher: Any = eng._batcher
+    reqs: dict[str, Any] = {}
+    seen: list[tuple[str, bool, bool]] = []  # (when, "short" ended, its caller has the result)
+    submit, compute = batcher.submit, batcher.compute
+
+    def submitted(req: Any) -> None:
+        reqs[req.rid] = req
+        submit(req)
+
+    def observed(plan: Any, launched: Any) -> Any:
+        short = reqs["short"]
+        seen.append(("start", short.done, short.future.done()))
+
+        def said() -> None:
+            seen.append(("launched", short.done, short.future.done()))
+            launched()
+
+        return compute(plan, said)
+
+    batcher.submit, batcher.compute = submitted, observed
+    try:
+        prompt = [1, 9, 8, 7]
+        outs = await asyncio.gather(
+            eng.generate(prompt, sp(3), rid="short"), eng.generate([1, 5], sp(9), rid="long")
+        )
+    finally:
+        await eng.aclose()
+    short, long = outs
+    assert len(short.output_ids) == 3 and len(long.output_ids) == 9
+    assert max_err(short.logprobs, teacher_logprobs(model, prompt, short.output_ids)) < TOL
+    # the step after "short"'s last one starts with "short" ended, its result held until the
+    # step says it is launched; every later step sees it delivered
+    first = next(i for i, (_, ended, _) in enumerate(seen) if ended)
+    assert seen[first] == ("start", True, False)
+    assert seen[first + 1] == ("launched", True, False)
+    assert all(delivered for _, _, delivered in seen[first + 2 :])
+    assert len(seen) == 2 * 9 and not eng._batcher.undelivered
 
 
 async def test_abort_in_waiting_queue(tiny):

@@ -36,8 +36,8 @@ def record_runs(eng: LocalEngine) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     decode_many = runner.decode_many
 
-    def recorded(meta: Any, steps: int, cut: Any = None) -> Any:
-        out = decode_many(meta, steps, cut)
+    def recorded(meta: Any, steps: int, cut: Any = None, launched: Any = None) -> Any:
+        out = decode_many(meta, steps, cut, launched)
         runs.append((steps, out.shape[0]))
         return out
 

@@ -212,10 +212,11 @@ class Request:
     row: int = -1  # block-table row while it holds pages
     epoch: int = 0  # weights epoch its cache was computed with
     routing: RequestRouting | None = None  # its routed experts, when it asked for them
+    ended: bool = False  # finished; its result may still wait for ``Batcher.deliver``
 
     @property
     def done(self) -> bool:
-        return self.future.done()
+        return self.ended or self.future.done()
 
 
 @dataclass
@@ -276,6 +277,8 @@ class Batcher:
         self.routing: RoutingRecorder | None = None  # set by an engine that records routing
         self.step_rows: StepRows = []  # routing rows of the step computed, recorded at apply
         self.cut_run = False  # the engine wants the model: a run of steps in flight ends soon
+        # requests that ``apply`` finished, with how: their results wait for ``deliver``
+        self.undelivered: list[tuple[Request, FinishType, int | None, str]] = []
 
     def weights_changed(self) -> None:
         """New weights are loaded (the paged batcher drops its cached prefixes)."""
@@ -286,6 +289,7 @@ class Batcher:
         self.waiting.clear()
         self.running, self.batch = [], None
         self.stepping = set()
+        self.undelivered = []
 
     def submit(self, req: Request) -> None:
         self.requests[req.rid] = req
@@ -323,12 +327,31 @@ class Batcher:
             self.waiting.remove(req)
 
     def finish(
-        self, req: Request, reason: FinishType, matched: int | None = None, message: str = ""
+        self,
+        req: Request,
+        reason: FinishType,
+        matched: int | None = None,
+        message: str = "",
+        *,
+        hold: bool = False,
     ) -> None:
+        """End ``req``; its caller gets the result now, or at :meth:`deliver` with ``hold``."""
         if req.done:
             return
+        req.ended = True
         self.forget(req)
-        req.future.set_result(self.output(req, reason, matched, message))
+        if hold:
+            self.undelivered.append((req, reason, matched, message))
+        else:
+            req.future.set_result(self.output(req, reason, matched, message))
+
+    def deliver(self) -> int:
+        """Hand the requests that ``apply`` finished their results; returns how many."""
+        held, self.undelivered = self.undelivered, []
+        for req, reason, matched, message in held:
+            if not req.future.done():  # (a caller that gave up cancelled it)
+                req.future.set_result(self.output(req, reason, matched, message))
+        return len(held)
 
     def abort_matching(self, rid: str | None, *, prefix: bool, defer: bool = True) -> int:
         """Abort the open requests matching ``rid`` (all for ``None``); returns how many.
@@ -381,8 +404,15 @@ class Batcher:
             self.prefills.add(joining)
         return StepPlan(kept, decode, joining, self.version())
 
-    def compute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        """One step in the worker thread: drop finished rows, decode, prefill newcomers, sample."""
+    def compute(
+        self, plan: StepPlan, launched: Callable[[], None] | None = None
+    ) -> tuple[list[int], list[float]]:
+        """One step in the worker thread: drop finished rows, decode, prefill newcomers, sample.
+
+        ``launched`` is called once the step's work is queued (here, on the CPU: at once).
+        """
+        if launched is not None:
+            launched()
         with torch.inference_mode(), self._routing_step(plan) as self.step_rows:
             if plan.keep is not None:
                 self.batch = self.batch.select(plan.keep) if plan.keep and self.batch else None
@@ -409,7 +439,11 @@ class Batcher:
         return self.routing.step(fed, seqs)
 
     def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> None:
-        """Record one token per row and finish the requests that stop or reach their length."""
+        """Record one token per row and finish the requests that stop or reach their length.
+
+        Their results wait for :meth:`deliver`: the engine hands them over once the next step
+        is queued, so that their callers' work does not delay its launch.
+        """
         for record, start, rows in self.step_rows:  # before any output is built
             record.record(start, rows)
         self.step_rows = []
@@ -438,11 +472,11 @@ class Batcher:
         req.logprobs += logprobs[:end]
         req.versions += [version] * end
         if stop is not None:
-            self.finish(req, "stop", matched=tokens[stop])
+            self.finish(req, "stop", matched=tokens[stop], hold=True)
         elif end == cap:
-            self.finish(req, "length")
+            self.finish(req, "length", hold=True)
         elif req.aborted is not None:
-            self.finish(req, "abort", message=req.aborted)
+            self.finish(req, "abort", message=req.aborted, hold=True)
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
         """A step raised: fail its requests with a 500 and drop the (maybe inconsistent) cache."""

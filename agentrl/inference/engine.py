@@ -1,34 +1,26 @@
 """The embedded inference engine: a transformers causal LM behind the ``InferenceClient`` protocol.
 
-Design:
-
-- **One scheduler, one worker thread at a time.** An asyncio task owns every request's state;
-  each iteration hands the torch work (prefill of newly admitted requests plus one decode step of
-  the running batch) to a worker thread via ``asyncio.to_thread``, so the event loop stays
-  responsive. Request state only changes on the event loop, between steps (the state and the
-  step live in ``_engine_ops.Batcher``; this module is the public, async surface).
-- **Continuous batching.** New requests join between decode steps: their prompts are prefilled
-  together (left-padded) and their KV cache is merged into the running batch; finished requests
-  leave at the next step. The batch's KV cache is one left-padded ``DynamicCache``; each row has
-  its own position ids (its count of real tokens) and the 2D attention mask hides the padding,
-  so a row computes what it would compute alone, to float tolerance.
+- **One scheduler.** An asyncio task owns every request's state (``_engine_ops.Batcher``); each
+  step's torch work runs in a worker thread (``asyncio.to_thread``) while the event loop stays
+  free. State changes on the event loop only, between steps. The requests a step finishes get
+  their results once the next step is launched: their callers' Python held the GIL while the
+  worker launched it (on an H100, idle card at a finishing cohort: 37-45 ms, now 18-25 ms).
+- **Continuous batching.** New requests join between decode steps (prefilled together),
+  finished ones leave; each row computes what it would alone, to float tolerance.
 - **SGLang's log-prob convention.** ``log_softmax(logits / temperature)`` over the whole
   vocabulary (no top-p/top-k renormalisation; greedy: plain ``log_softmax``); outputs include
   the matched stop token.
 - **Versions.** Every token records the weight version that sampled it. A weight update takes
-  the model lock between steps: with generation paused ("retract" or "in_place") it applies at
-  once and the open requests continue on the new weights after ``resume``; otherwise it first
-  drains the running batch (SGLang's behaviour). "retract" recomputes a request's KV cache with
-  the weights loaded at resume time; "in_place" keeps the cache the old weights computed.
-- **Aborts keep what was sampled.** An abort (or ``pause("abort")``) takes effect when the step
-  or run of steps in flight is applied: the request returns the tokens sampled there (SGLang's
-  do too). After ``resume`` the first step waits until the re-sent requests stop arriving.
+  the model lock between steps: paused, it applies at once and the open requests continue on
+  the new weights after ``resume`` (``pause`` says how: abort, retract, in place); otherwise it
+  first drains the running batch (SGLang's behaviour). Aborted requests keep the tokens the
+  step in flight sampled (SGLang's do too).
 - **Routing records** of MoE models, per request: :mod:`~agentrl.inference.routing_records`.
 - **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
-  reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``,
-  ``kv_cache.py``, ``sampling.py``); its exact mode (``batch_invariant``) returns the learner's
-  exact-mode log-probs bit for bit. Elsewhere (or ``paged=False``) transformers' forward over a
-  left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from teacher forcing).
+  reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``);
+  its exact mode (``batch_invariant``) returns the learner's exact-mode log-probs bit for bit.
+  Elsewhere (or ``paged=False``) transformers' forward over one left-padded ``DynamicCache``
+  (float32 on CPU: ~1e-6 from teacher forcing).
 """
 
 from __future__ import annotations
@@ -214,11 +206,9 @@ class LocalEngine:
     def stats(self) -> dict[str, int]:
         """Open requests by state, for load reports."""
         running = sum(1 for r in self._batcher.running if not r.done)
-        return {
-            "num_running_reqs": running,
-            "num_waiting_reqs": len(self._requests) - running,
-            "max_running_requests": self.max_batch_size,
-        }
+        waiting = len(self._requests) - running
+        return {"num_running_reqs": running, "num_waiting_reqs": waiting,
+                "max_running_requests": self.max_batch_size}  # fmt: skip
 
     def prefill_stats(self) -> dict[str, int]:
         """Cumulative prefill steps, requests, tokens (cached + computed: prefix reuse)."""
@@ -331,6 +321,7 @@ class LocalEngine:
             try:
                 await self._drain()
                 async with self._lock:  # a repeated layout is two multi-tensor copies: no thread
+                    self._batcher.deliver()
                     if repeat := self._loader.repeats(state_dict):
                         self._load(state_dict, repeat)
                     else:
@@ -359,6 +350,7 @@ class LocalEngine:
     async def aclose(self) -> None:
         """Abort open requests and stop the scheduler (idempotent)."""
         self._closed = True
+        self._batcher.deliver()
         self._batcher.abort_matching(None, prefix=False, defer=False)  # no step will apply
         task, self._task = self._task, None
         if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
@@ -386,6 +378,7 @@ class LocalEngine:
         if mode == "abort":
             self._batcher.abort_matching(None, prefix=False)
         async with self._lock:  # the step in flight, if any, completes first
+            self._batcher.deliver()
             if mode == "retract":
                 self._batcher.retract()
         return len(self._requests)
@@ -465,9 +458,8 @@ class LocalEngine:
             await asyncio.sleep(0.005)
 
     def _has_work(self) -> bool:
-        if self._paused:
-            return False
-        return self._batcher.has_running() or (not self._draining and bool(self._batcher.waiting))
+        busy = self._batcher.has_running() or (not self._draining and bool(self._batcher.waiting))
+        return not self._paused and busy
 
     async def _settle_arrivals(self) -> None:
         """Wait while requests keep arriving (see :meth:`resume`)."""
@@ -478,8 +470,12 @@ class LocalEngine:
             seen = len(self._batcher.waiting)
             await asyncio.sleep(RESUME_SETTLE_S)
 
+    def _launched(self) -> None:  # (worker thread) a step is queued: deliver the last results
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._batcher.deliver)
+
     async def _scheduler(self) -> None:
-        batcher = self._batcher
+        batcher, launched = self._batcher, self._launched
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -491,10 +487,13 @@ class LocalEngine:
                     if plan is None:
                         break
                     try:
-                        tokens, logprobs = await asyncio.to_thread(batcher.compute, plan)
+                        tokens, logprobs = await asyncio.to_thread(batcher.compute, plan, launched)
+                        batcher.deliver()  # if the step never said it launched
                         batcher.apply(plan, tokens, logprobs)
                     except Exception as exc:  # a failed step fails its requests, not the engine
+                        batcher.deliver()
                         batcher.fail(plan, exc)
-                # no yield here: the episodes this step finished run while the card computes
-                # the next one, not before it (~20 ms of idle card on an H100); aborts and pauses
-                # get in at the step's await, and the lock queues fairly
+                    if not self._has_work():  # no next step to wait for
+                        batcher.deliver()
+                # no yield here (aborts and pauses get in at the step's await; the lock is fair)
+            batcher.deliver()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -269,9 +270,18 @@ class PagedBatcher(Batcher):
 
     # ---- the step (worker thread) ----------------------------------------------------------
 
-    def compute(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        """Decode the running rows, prefill the joining ones, sample every row."""
+    def compute(
+        self, plan: StepPlan, launched: Callable[[], None] | None = None
+    ) -> tuple[list[int], list[float]]:
+        """Decode the running rows, prefill the joining ones, sample every row.
+
+        ``launched`` is called once the device has work queued: on a GPU after the step's
+        kernels (a run's first chunk) are launched, on a CPU at once.
+        """
         runner, size = self.paged, self.paged.page_size
+        if launched is not None and runner.device.type != "cuda":
+            launched()  # a CPU computes as it goes: nothing to queue first
+            launched = None
         with torch.inference_mode(), device_context(runner.device):  # a worker thread's device
             if self._table:
                 table = to_device(torch.tensor(self._table, dtype=torch.int64).t(), runner.device)
@@ -281,7 +291,7 @@ class PagedBatcher(Batcher):
             meta = step_meta(reqs, len(plan.decode), size)
             sampled = []
             if plan.steps > 1:
-                runs = runner.decode_many(meta, plan.steps, self._cut(plan))  # (steps run, 2, n)
+                runs = runner.decode_many(meta, plan.steps, self._cut(plan), launched)
                 for req in plan.decode:
                     req.kv_len += runs.shape[0]
                 flat = to_host(runs.transpose(0, 1).reshape(2, -1)).tolist()
@@ -300,6 +310,8 @@ class PagedBatcher(Batcher):
                     [r.pages for r in plan.admit],
                 )
                 sampled.append(_sample(runner, logits, meta[:, len(plan.decode) :], plan.admit))
+            if launched is not None:
+                launched()
             for req in plan.decode:
                 req.kv_len += 1
             for req in plan.admit:

@@ -400,7 +400,11 @@ class PagedRunner:
         return logits[:n], sampled[:, :n]
 
     def decode_many(
-        self, meta: torch.Tensor, steps: int, cut: RunCut | None = None
+        self,
+        meta: torch.Tensor,
+        steps: int,
+        cut: RunCut | None = None,
+        launched: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Up to ``steps`` decode steps from one copy of ``meta``: sampled ``(k, 2, B)`` float64.
 
@@ -411,7 +415,8 @@ class PagedRunner:
         ``True`` launches no further step. On a GPU the host reads ``RUN_CHUNK`` steps at a
         time while the next chunk runs, so the card never waits for the host inside a run and
         up to ``2 * RUN_CHUNK - 1`` steps run (and are returned) after the one that ended it;
-        on a CPU it reads each step before launching the next.
+        on a CPU it reads each step before launching the next. ``launched()`` is called once
+        the first chunk is launched.
         """
         n = meta.shape[1]
         out = torch.empty(steps, 2, n, dtype=torch.float64, device=self.device)
@@ -451,6 +456,8 @@ class PagedRunner:
                 seen[i + 1 - chunk : i + 1].copy_(out[i + 1 - chunk : i + 1], non_blocking=True)
                 landed.append(torch.cuda.Event())
                 landed[-1].record()
+            if launched is not None and i == min(chunk, steps) - 1:
+                launched()
         return out
 
     def _capture(self, bucket: int) -> None:
