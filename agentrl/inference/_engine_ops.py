@@ -409,7 +409,7 @@ class Batcher:
     ) -> tuple[list[int], list[float]]:
         """One step in the worker thread: drop finished rows, decode, prefill newcomers, sample.
 
-        ``launched`` is called once the step's work is queued (here, on the CPU: at once).
+        ``launched`` is called once the step's work is queued (on this path: at once).
         """
         if launched is not None:
             launched()

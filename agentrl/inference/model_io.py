@@ -122,7 +122,9 @@ class WeightLoader:
         Raises:
             ValueError: names or shapes do not match the model (nothing is changed then).
         """
-        if self.repeats(state_dict) if repeat is None else repeat:
+        if repeat is None:
+            repeat = self.repeats(state_dict)
+        if repeat:
             with torch.no_grad():
                 torch._foreach_copy_(self._targets, list(state_dict.values()))
             return
