@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from agentrl import __version__
 from agentrl.loop.jobs import add_rollout, add_train, exit_code
@@ -63,6 +64,29 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--torch-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    keys = parser.add_argument_group(
+        "access", "keys as SGLang's: KEY, env:NAME or file:PATH (the last two keep it out of ps)"
+    )
+    keys.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="every route but /health and /ready wants 'Authorization: Bearer KEY' "
+        "(--config: default inference.api_key)",
+    )  # fmt: skip
+    keys.add_argument(
+        "--admin-api-key", default=None, metavar="KEY",
+        help="the weight, pause, continue, abort and flush routes want this key instead "
+        "(--config: default inference.admin_api_key)",
+    )  # fmt: skip
+    keys.add_argument(
+        "--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+        help="more Host names to answer besides loopback, the bind address and this machine's "
+        "names ('*': any, e.g. behind a reverse proxy)",
+    )  # fmt: skip
+    keys.add_argument(
+        "--weights-dir", action="append", default=[], metavar="DIR",
+        help="a directory /update_weights_from_disk may load from (repeatable; default: the "
+        "model directory and, with --config, the run's weights directory)",
+    )  # fmt: skip
     parser.set_defaults(func=_cmd_serve, accepts_overrides=True)
 
 
@@ -72,6 +96,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     import torch
 
+    from agentrl.inference.api_keys import read_key
     from agentrl.inference.server import run_engine_server
 
     if args.torch_threads:
@@ -85,11 +110,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"agentrl serve: error: overrides need --config: {' '.join(args.overrides)}",
               file=sys.stderr)  # fmt: skip
         return 2
+    weights_dirs = list(args.weights_dir)
+    try:  # one line naming the option and the variable or file, never the key
+        api_key = read_key(args.api_key, "--api-key")
+        admin_api_key = read_key(args.admin_api_key, "--admin-api-key")
+    except ValueError as exc:
+        print(f"agentrl serve: error: {exc}", file=sys.stderr)
+        return 2
     if args.config is not None:  # the policy and engine `agentrl train CONFIG` would build
         from agentrl.config import load_config
         from agentrl.loop.placement import load_policy, make_local_engine
 
         config = load_config(args.config, args.overrides)
+        config_keys = config.inference.keys()
+        api_key = api_key if args.api_key is not None else config_keys[0]
+        admin_api_key = admin_api_key if args.admin_api_key is not None else config_keys[1]
+        # the run's weights directory; without run_dir its name is not known yet: out_dir
+        run_weights = Path(config.run_dir) / "weights" if config.run_dir else Path(config.out_dir)
+        weights_dirs.append(str(run_weights))
         model, tokenizer = load_policy(config)
         engine = make_local_engine(model, tokenizer, config, copy_model=False)
         model_path = config.model.path
@@ -105,6 +143,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return_routed_experts=args.enable_return_routed_experts,
         )
         model_path = args.model
+    if Path(model_path).expanduser().is_dir():  # reloading the weights it started from
+        weights_dirs.append(model_path)
     run_engine_server(
         engine,
         model_path=model_path,
@@ -113,6 +153,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         on_ready=announce,
+        api_key=api_key,
+        admin_api_key=admin_api_key,
+        extra_hosts=args.allowed_hosts,
+        weights_dirs=weights_dirs,
     )
     return 0
 

@@ -103,10 +103,43 @@ class InferenceConfig(_Section):
     """``distributed``: the group's port on that address (0: a free one)."""
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
     """``distributed``: the largest bucket of tensors sent per HTTP call."""
+    api_key: str | None = None
+    """The key sent as ``Authorization: Bearer`` on every call to ``endpoints`` (SGLang's and
+    ``agentrl serve``'s ``--api-key``), given as ``env:NAME`` (an environment variable) or
+    ``file:PATH`` (a file's text), never the key itself: configs are saved in the run
+    directory. ``agentrl serve --config`` serves with it when ``--api-key`` is not given."""
+    admin_api_key: str | None = None
+    """The key of the control calls (pause, continue, abort, weight updates, flush:
+    ``--admin-api-key``), as ``env:NAME`` or ``file:PATH``; unset: ``api_key``."""
+
+    @field_validator("api_key", "admin_api_key")
+    @classmethod
+    def _key_is_a_reference(cls, spec: str | None) -> str | None:
+        if spec is not None and not spec.startswith(("env:", "file:")):
+            raise ValueError("expected env:NAME or file:PATH (a key itself would be saved)")
+        return spec
+
+    def keys(self) -> tuple[str | None, str | None]:
+        """``(api_key, admin_api_key)`` read from their variables or files.
+
+        Raises:
+            ConfigError: a variable unset or a file unreadable (named; the key never is).
+        """
+        from agentrl.inference.api_keys import read_key
+
+        try:
+            return (
+                read_key(self.api_key, "inference.api_key"),
+                read_key(self.admin_api_key, "inference.admin_api_key"),
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def client_options(self) -> dict[str, Any]:
         """The :class:`~agentrl.inference.client.SGLangClient` keyword arguments set here."""
-        return {"timeout_s": self.timeout_s, "retry_s": self.retry_s, "stall_s": self.stall_s}
+        api_key, admin_api_key = self.keys()
+        return {"timeout_s": self.timeout_s, "retry_s": self.retry_s, "stall_s": self.stall_s,
+                "api_key": api_key, "admin_api_key": admin_api_key}  # fmt: skip
 
 
 class EnvConfig(_Section):
@@ -172,8 +205,14 @@ class TrainLoopConfig(_Section):
     """Samples per held-out task; success is averaged over them (pass@1)."""
     eval_temperature: float = Field(0.0, ge=0)
     """0 evaluates greedily."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Save a resumable checkpoint every N steps (0: only at the end)."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Save a resumable checkpoint every N steps (0: only by minutes and at the end); a kill,
+    or a signal's checkpoint, loses at most this much work."""
+    checkpoint_every_minutes: float | None = Field(10.0, gt=0)
+    """Also save one when this many minutes passed since the last (``None``: by steps only)."""
+    keep_checkpoints: int | None = Field(3, ge=1)
+    """Keep only this many newest checkpoints (``None``: all); resume falls back to an older
+    one when the newest fails its manifest check."""
     max_wall_s: float | None = None
     """Stop after this much wall time (then evaluate and summarise)."""
     max_staleness: int = Field(1, ge=0)

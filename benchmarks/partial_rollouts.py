@@ -304,7 +304,7 @@ def pooled(runs: list[dict]) -> dict:
 
 async def main(args: argparse.Namespace) -> None:
     proc, url = start_server(
-        ["--model", "tiny", "--torch-threads", "1"],
+        ["--model", "tiny", "--torch-threads", "1", "--weights-dir", tempfile.gettempdir()],
         Path(tempfile.mkdtemp(prefix="partial_rollouts_")) / "serve.log",
         120.0,
         env={"OMP_NUM_THREADS": "1"},

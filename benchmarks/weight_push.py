@@ -102,7 +102,9 @@ async def measure(
     model = model.to(here)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     server_log = Path(os.environ.get("WEIGHT_PUSH_SERVER_LOG", work / "server.log"))
-    proc, url = start_server(["--model", str(work / "init"), "--device", there], server_log)
+    proc, url = start_server(
+        ["--model", str(work / "init"), "--device", there, "--weights-dir", str(work)], server_log
+    )
     out: dict[str, Any] = {"params": params, "bytes": sum(t.numel() * t.element_size()
                                                           for t in weights.values())}
     try:

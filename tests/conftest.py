@@ -26,6 +26,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -106,6 +107,8 @@ def start_tiny_server(
     wait until /health answers 200."""
     cmd = [sys.executable, "-m", "agentrl.cli", "serve", *source, "--port", "0"]
     cmd += ["--torch-threads", "1", "--log-level", "WARNING", *extra_args]
+    # tests push weights from their own tmp_path directories: allow the temp root for disk loads
+    cmd += ["--weights-dir", tempfile.gettempdir()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -1,9 +1,9 @@
-"""Hostile input to `agentrl serve` (issue 20): non-finite and out-of-range sampling values,
-oversized bodies, large bodies parsed off the event loop; the server stays healthy after each."""
+"""Hostile input to `agentrl serve` (issues 20, 43): non-finite and out-of-range sampling values,
+oversized bodies, long texts refused untokenised; the server stays healthy after each (more in
+``test_server_auth.py``)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -14,8 +14,9 @@ import pytest
 
 async def call(url: str, path: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        async with http.request(method, url + path, data=None if body is None else data) as resp:
+        data = body if body is None or isinstance(body, (str, bytes)) else json.dumps(body)
+        headers = {} if data is None else {"Content-Type": "application/json"}
+        async with http.request(method, url + path, data=data, headers=headers) as resp:
             text = await resp.text()
             try:
                 return resp.status, json.loads(text)
@@ -62,19 +63,16 @@ async def test_body_over_the_limit_is_413_in_sglang_shape(tiny_server) -> None:
     assert (await call(tiny_server.url, "/health", method="GET"))[0] == 200
 
 
-async def test_large_text_is_tokenised_off_the_event_loop(tiny_server) -> None:
+async def test_long_text_is_refused_before_tokenising(tiny_server) -> None:
+    """Issue 43: a tokeniser's memory grows with its input (30 MB of text took 12 GB), so a text
+    that cannot fit the context is refused by its length; one that might fit is tokenised."""
     text = "12 + 34 = 46. " * 30_000  # 420k characters: seconds to tokenise
-    body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
-    done: dict[str, float] = {}
-
-    async def timed(name: str, *args: Any) -> tuple[int, Any]:
-        out = await call(tiny_server.url, *args)
-        done[name] = time.perf_counter()
-        return out
-
-    big = asyncio.ensure_future(timed("generate", "/generate", body))
-    await asyncio.sleep(0.3)  # the server has the body and is tokenising it
-    status, _ = await timed("health", "/health", None, "GET")
-    status_big, answer = await big
-    assert status == 200 and status_big == 400 and "context length" in answer["error"]["message"]
-    assert done["health"] < done["generate"]  # before: /health waited for the tokeniser
+    t = time.perf_counter()
+    status, answer = await call(tiny_server.url, "/generate", {"text": text})
+    message = answer["error"]["message"]
+    assert status == 400 and "context length" in message and "send input_ids" in message
+    assert time.perf_counter() - t < 1.5  # not tokenised
+    status, answer = await call(tiny_server.url, "/generate", {"text": text[:7000]})
+    message = answer["error"]["message"]  # tokenised: more tokens than the context holds
+    assert status == 400 and "context length" in message and "input_ids" not in message
+    assert (await call(tiny_server.url, "/health", method="GET"))[0] == 200

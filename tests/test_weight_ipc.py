@@ -156,3 +156,56 @@ def test_serve_config_and_a_tensor_push_train_together(tmp_path, teacher_logprob
         assert any("perf/tokens" in m for m in steps)  # it trained: new weights went out
     finally:
         server.stop()
+
+
+class _View:
+    """A 1 GiB float32 view of a 4-element shared storage (stride 0): once copied, 1 GiB."""
+
+    def __init__(self, storage: object) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> object:
+        from torch.multiprocessing import reductions
+
+        meta = (0, torch.Size([2**28]), (0,), False)
+        return (reductions.rebuild_tensor, (torch.Tensor, self.storage, meta))
+
+
+class _Mapping:
+    """A shared-memory storage of 1 GiB under a made-up name."""
+
+    def __reduce__(self) -> object:
+        from torch.multiprocessing import reductions
+
+        args = (torch.UntypedStorage, b"/tmp/none.sock", b"/torch_none", 2**30)
+        return (reductions.rebuild_storage_filename, args)
+
+
+def test_payload_limits_refuse_before_anything_is_allocated() -> None:
+    """Issue 43: a 2.3 KB payload once made the server allocate ~1 GB and keep it."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    from agentrl.inference.weight_ipc import PayloadLimits
+
+    limits = PayloadLimits(max_numel=100, max_bytes=10_000)
+    t = torch.zeros(4)
+    ((name, back),) = load_named_tensors(dump_named_tensors([("w", t)]), limits)
+    assert name == "w" and torch.equal(back, t)
+
+    def entry(obj: object) -> str:
+        buf = io.BytesIO()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump([("w", obj)])
+        return base64.b64encode(buf.getvalue()).decode()
+
+    shared = torch.zeros(4).share_memory_().untyped_storage()
+    typed = torch.TypedStorage(wrap_storage=shared, dtype=torch.float32, _internal=True)
+    cases = [
+        (entry(_View(typed)), "size"),
+        (entry(_Mapping()), "storage size"),
+        (base64.b64encode(pickle.dumps([("w", torch.Size)])).decode(), "pairs"),
+    ]  # fmt: skip
+    for payload, why in cases:
+        with pytest.raises(ValueError, match=why):
+            load_named_tensors(payload, limits)

@@ -14,7 +14,11 @@ Design:
   another healthy endpoint. A 4xx or a malformed response is a :class:`ServerError` at once.
 - **Faults.** While no endpoint can take a request (a restart), it waits with backoff for up to
   ``retry_s``. A request in flight for ``stall_s`` probes its endpoint; if that does not answer
-  (a frozen process), the request is aborted there first, then resubmitted elsewhere.
+  (a frozen process), the request is aborted there first, then resubmitted elsewhere. A server
+  that answers the probe with 503 (paused for a weight update) is alive: the request waits.
+- **Keys.** ``api_key`` goes out as ``Authorization: Bearer`` on every call but the health
+  probes, ``admin_api_key`` (when set) instead on the control calls, as SGLang's
+  ``--api-key`` / ``--admin-api-key`` want them (:mod:`~agentrl.inference.api_keys`).
 - **Weight versions are ints here, labels in SGLang** (``sglang_api.parse_weight_version``).
 """
 
@@ -31,6 +35,7 @@ import aiohttp
 
 from agentrl import fast_json
 from agentrl.errors import ServerError
+from agentrl.inference.api_keys import bearer, key_for
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.client_control import ControlPlane
 from agentrl.inference.endpoints import (
@@ -71,6 +76,8 @@ class SGLangClient(ControlPlane):
         routed_experts_shape: ``(layers, top_k)`` of the served MoE model, to shape
             ``meta_info.routed_experts``; default: read from the endpoint's ``/model_info``
             (``agentrl serve`` reports it; SGLang does not, so pass it there).
+        api_key: the servers' ``--api-key`` (the key itself, never logged).
+        admin_api_key: their ``--admin-api-key``, for the control calls (default: ``api_key``).
     """
 
     def __init__(
@@ -88,6 +95,8 @@ class SGLangClient(ControlPlane):
         max_connections: int = 1024,
         max_sessions: int = 100_000,
         routed_experts_shape: tuple[int, int] | None = None,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not urls:
@@ -110,6 +119,7 @@ class SGLangClient(ControlPlane):
         self._last_update: tuple[str, str] | None = None
         self._routed_shape = routed_experts_shape
         self._routed_shapes: dict[str, tuple[int, int]] = {}  # read from each /model_info
+        self._keys = (api_key, admin_api_key)
 
     @property
     def endpoints(self) -> list[str]:
@@ -159,13 +169,17 @@ class SGLangClient(ControlPlane):
         """One HTTP call: the body on 2xx, :class:`Retryable` or :class:`ServerError` otherwise."""
         try:
             async with self._http().request(
-                method, ep.url + path, json=payload, timeout=timeout or self._timeout
+                method,
+                ep.url + path,
+                json=payload,
+                timeout=timeout or self._timeout,
+                headers=bearer(key_for(path, *self._keys)),
             ) as resp:
                 status, body = resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         if status >= 500:
-            raise Retryable(f"HTTP {status}: {error_text(body)}")
+            raise Retryable(f"HTTP {status}: {error_text(body)}", status=status)
         if status >= 400:
             raise ServerError(
                 f"{path} rejected with HTTP {status}: {error_text(body)}",
@@ -208,11 +222,11 @@ class SGLangClient(ControlPlane):
             await self._request(ep, "GET", "/health", timeout=self._health_timeout)
             if self._last_update is not None:
                 path, label = self._last_update
-                info = json.loads(await self._request(ep, "GET", "/model_info"))
+                info = fast_json.loads(await self._request(ep, "GET", "/model_info"))
                 if str(info.get("weight_version")) != label:
                     logger.info("endpoint %s is on old weights; pushing version %s", ep.url, label)
                     await self._update_one(ep, path, label)
-        except (Retryable, ServerError, ValueError) as exc:
+        except (Retryable, ServerError, ValueError, RecursionError, AttributeError) as exc:
             logger.debug("endpoint %s still unhealthy: %s", ep.url, exc)
             return False
         finally:
@@ -323,7 +337,7 @@ class SGLangClient(ControlPlane):
                     active.endpoint = None
                 try:
                     data = fast_json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise ServerError(
                         f"malformed /generate response: not JSON: {raw[:200]!r}",
                         endpoint=ep.url,
@@ -355,7 +369,7 @@ class SGLangClient(ControlPlane):
                 info = json.loads(await self._request(ep, "GET", "/model_info"))
                 layers, top_k = info["routed_experts_shape"]
                 shape = self._routed_shapes[ep.url] = (int(layers), int(top_k))
-            except (Retryable, ServerError, ValueError, TypeError, KeyError):
+            except (Retryable, ServerError, ValueError, TypeError, KeyError, RecursionError):
                 pass
         try:
             if not isinstance(text, str):
@@ -402,7 +416,9 @@ class SGLangClient(ControlPlane):
     async def _answers(self, ep: Endpoint) -> bool:  # within the health timeout
         try:
             await self._request(ep, "GET", "/health", timeout=self._health_timeout)
-        except (Retryable, ServerError):
+        except Retryable as exc:
+            return exc.status == 503  # up, but paused (a weight update): not stalled
+        except ServerError:
             return False
         return True
 
@@ -458,7 +474,7 @@ class SGLangClient(ControlPlane):
         raw = await self._call(ep, "GET", path)
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ServerError(
                 f"malformed {path} response: {raw[:200]!r}", endpoint=ep.url
             ) from None

@@ -41,7 +41,16 @@ class Active:
 
 
 class Retryable(Exception):
-    """A connection error, timeout or 5xx: worth another try."""
+    """A connection error, timeout or 5xx: worth another try.
+
+    Args:
+        message: what happened.
+        status: the HTTP status of a 5xx (``None``: no answer at all).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Stalled(Retryable):

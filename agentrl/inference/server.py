@@ -8,13 +8,18 @@ shared :class:`LocalEngine`, so concurrent HTTP requests are batched together.
 
 Differences from SGLang, all deliberate: no streaming (``stream: true`` is a 400 that says so);
 sampling features the engine lacks (stop strings, penalties, grammars, ``n > 1``, top-logprobs)
-are a 400 naming the field rather than being ignored; ``/health`` answers 200 while generation
-is paused; ``/abort_request`` matches ``rid`` by prefix, as SGLang's scheduler does. Weight
+are a 400 naming the field rather than being ignored; ``/health`` answers 503 at once while
+generation is paused (SGLang's answers 503 once its probe generation times out);
+``/abort_request`` matches ``rid`` by prefix, as SGLang's scheduler does. Weight
 version labels are strings on the wire and ints in the engine (``parse_weight_version``);
 the server keeps the label of every int it has seen, so spans report the labels clients sent.
 ``return_routed_experts`` needs ``--enable-return-routed-experts`` (and an MoE model), as in
 SGLang; ``/model_info`` adds ``routed_experts_shape`` (``[layers, top_k]``, ``null`` when dense)
 so that clients can shape ``meta_info.routed_experts``.
+
+Who may call what (keys, ``Host``, ``Origin``, JSON-only state changes) is
+:mod:`~agentrl.inference.server_guard`'s; which directories ``/update_weights_from_disk`` reads
+is :mod:`~agentrl.inference.weight_files`'s.
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import web
 
-from agentrl import __version__, fast_json
+from agentrl import fast_json
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.engine import PAUSE_MODES, LocalEngine, PauseMode
 from agentrl.inference.routing_records import to_wire
+from agentrl.inference.server_guard import Guard, allowed_hosts, warn_if_open
+from agentrl.inference.server_info import InfoRoutes
 from agentrl.inference.server_requests import GenerateItem, json_body, parse_generate
 from agentrl.inference.sglang_api import (
     ContractError,
@@ -42,8 +50,13 @@ from agentrl.inference.sglang_api import (
     parse_weight_version,
     version_spans,
 )
+from agentrl.inference.weight_files import (
+    WeightPathError,
+    max_weight_bytes,
+    read_weights,
+    resolve_dirs,
+)
 from agentrl.inference.weight_receive import WeightReceiver
-from agentrl.routing import is_moe, routing_shape
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +84,7 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-class EngineServer:
+class EngineServer(InfoRoutes):
     """The aiohttp application around one :class:`LocalEngine`.
 
     Args:
@@ -80,6 +93,11 @@ class EngineServer:
         served_model_name: the model id of ``/v1/models`` (default: ``model_path``).
         weight_version: the label of the engine's current weights (SGLang's ``"default"``).
         max_body_bytes: the largest request body accepted (larger ones get a 413).
+        guard: keys and allowed hosts (:class:`~agentrl.inference.server_guard.Guard`;
+            default: no keys, loopback names only).
+        weights_dirs: the directories ``/update_weights_from_disk`` may read (and their
+            subdirectories); none: that route refuses every path.
+        weights_timeout_s: the longest a ``/update_weights_from_disk`` read may take.
     """
 
     def __init__(
@@ -90,9 +108,16 @@ class EngineServer:
         served_model_name: str | None = None,
         weight_version: str = "default",
         max_body_bytes: int = MAX_BODY_BYTES,
+        guard: Guard | None = None,
+        weights_dirs: Iterable[str | Path] = (),
+        weights_timeout_s: float = 300.0,
     ) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.guard = guard or Guard()
+        self.weights_dirs = resolve_dirs(weights_dirs)
+        self.weights_timeout_s = weights_timeout_s
+        self._max_weight_bytes = max_weight_bytes(engine.model)
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self._labels = {engine.weight_version: weight_version}
@@ -108,7 +133,10 @@ class EngineServer:
 
     def app(self) -> web.Application:
         """The routes of SGLang's native API that this server implements."""
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[_errors_as_json])
+        app = web.Application(
+            client_max_size=self.max_body_bytes,
+            middlewares=[self.guard.middleware, _errors_as_json],
+        )
         get, post = web.get, web.post
         app.add_routes(
             [
@@ -143,6 +171,7 @@ class EngineServer:
                 await json_body(request),
                 vocab_size=self.engine.vocab_size,
                 tokenizer=self.engine.tokenizer,
+                max_model_len=self.engine.max_model_len,
             )
             if len({item.rid for item in items}) < len(items):
                 raise RequestError("Duplicate request ID detected: rids repeat within the batch")
@@ -249,7 +278,11 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        """Load an HF directory; ``weight_version`` (if given) becomes the live label."""
+        """Load an HF directory under an allowed one; ``weight_version`` becomes the live label.
+
+        The directory and its files are checked before anything is opened, and read within
+        ``weights_timeout_s`` (:func:`~agentrl.inference.weight_files.read_weights`).
+        """
         body = await json_body(request, default={})
         path, label = body.get("model_path"), body.get("weight_version")
         if not isinstance(path, str) or not path:
@@ -266,9 +299,15 @@ class EngineServer:
             return result(False, f"load_format {body['load_format']!r} is not supported")
         if body.get("abort_all_requests") is True:
             await self.engine.abort(None)
+        try:
+            state_dict = await read_weights(
+                path, self.weights_dirs, self._max_weight_bytes, self.weights_timeout_s
+            )
+        except WeightPathError as exc:
+            return result(False, str(exc))
         version = None if label is None else parse_weight_version(label)
         try:
-            await self.engine.update_weights_from_disk(path, version)
+            await self.engine.update_weights_from_state_dict(state_dict, version)
         except ServerError as exc:
             return result(False, _plain(exc))
         if version is not None:
@@ -282,6 +321,8 @@ class EngineServer:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """No prefix cache: 200 when idle, 400 while requests are open (as SGLang)."""
+        if request.method == "POST":
+            await json_body(request, default={})  # ignored, but a bad one is a 400
         if await self.engine.flush_cache():
             return web.Response(text=_FLUSHED)
         return web.Response(
@@ -289,10 +330,12 @@ class EngineServer:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 if the engine generates one token (or is busy or paused), else 503."""
+        """200 if the engine generates one token (or is busy), else 503 (paused included)."""
+        if self.engine.paused:
+            return _error("generation is paused (/continue_generation resumes it)", 503)
         if not await self.engine.health():
             return web.Response(status=503)
-        if self.engine.paused or self._num_open():
+        if self._num_open():
             return web.Response(status=200)
         probe = self.engine.generate(
             [0],
@@ -308,87 +351,6 @@ class EngineServer:
     async def ready(self, request: web.Request) -> web.Response:
         """503 while paused."""
         return web.Response(status=503 if self.engine.paused else 200)
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        """Live model identity and ``weight_version`` label."""
-        config = self.engine.model.config
-        return web.json_response(
-            {
-                "model_path": self.model_path,
-                "served_model_name": self.served_model_name,
-                "tokenizer_path": self.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.label_of(self.engine.weight_version),
-                "load_format": None,
-                "reasoning_parser": None,
-                "tool_call_parser": None,
-                "disaggregation_mode": "null",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": getattr(config, "model_type", None),
-                "architectures": getattr(config, "architectures", None),
-                "routed_experts_shape": routing_shape(self.engine.model)[:2]
-                if is_moe(self.engine.model)
-                else None,
-            }
-        )
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        """Startup configuration (the live weight label is in ``/model_info``)."""
-        limit = self.engine.max_model_len
-        return web.json_response(
-            {
-                "model_path": self.model_path,
-                "served_model_name": self.served_model_name,
-                "tokenizer_path": self.model_path,
-                "host": self.host,
-                "port": self.port,
-                "context_length": limit,
-                "max_context_length": limit,
-                "max_req_input_len": limit - 1,
-                "max_total_num_tokens": limit * self.engine.max_batch_size,
-                "max_running_requests": self.engine.max_batch_size,
-                "tp_size": 1,
-                "dp_size": 1,
-                "page_size": 1,
-                "weight_version": self._startup_label,
-                "device": str(self.engine.device),
-                "incremental_streaming_output": False,
-                "disaggregation_mode": "null",
-                "internal_states": [{"paused": self.engine.paused}],
-                "enable_return_routed_experts": self.engine.return_routed_experts,
-                "startup_time": self._startup_time,
-                "version": f"agentrl-{__version__}",
-                "frontend": "agentrl",
-            }
-        )
-
-    async def models(self, request: web.Request) -> web.Response:
-        """OpenAI-style model list; ``max_model_len`` is the context length."""
-        card = {
-            "id": self.served_model_name,
-            "object": "model",
-            "created": int(self._startup_time),
-            "owned_by": "sglang",
-            "root": self.served_model_name,
-            "parent": None,
-            "max_model_len": self.engine.max_model_len,
-        }
-        return web.json_response({"object": "list", "data": [card]})
-
-    async def loads(self, request: web.Request) -> web.Response:
-        """``/v1/loads``: one DP rank's request counts (the drain check slime uses)."""
-        load = {"dp_rank": 0, **self.engine.stats(), "timestamp": time.time()}
-        return web.json_response(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "version": f"agentrl-{__version__}",
-                "accelerator": str(self.engine.device),
-                "num_accelerators": 1,
-                "loads": [load],
-            }
-        )
 
 
 def _clamp(logprob: float | None) -> float | None:
@@ -421,17 +383,27 @@ async def serve(
     weight_version: str = "default",
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    extra_hosts: Iterable[str] = (),
+    weights_dirs: Iterable[str | Path] = (),
 ) -> None:
     """Serve ``engine`` over HTTP until ``stop`` is set (or the task is cancelled).
 
     ``port=0`` picks a free port; ``on_ready`` gets the base URL once the socket listens.
     Client disconnects cancel their handlers, which aborts their requests in the engine.
+    ``api_key`` / ``admin_api_key`` are SGLang's (:mod:`~agentrl.inference.api_keys`);
+    ``extra_hosts`` are more ``Host`` names to answer (``*``: any); ``weights_dirs`` are the
+    directories ``/update_weights_from_disk`` may read.
     """
+    warn_if_open(host, api_key, admin_api_key)
     server = EngineServer(
         engine,
         model_path=model_path,
         served_model_name=served_model_name,
         weight_version=weight_version,
+        guard=Guard(api_key, admin_api_key, allowed_hosts(host, extra_hosts)),
+        weights_dirs=weights_dirs,
     )
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -440,13 +412,18 @@ async def serve(
         await site.start()
         server.host, server.port = host, int(runner.addresses[0][1])
         url = f"http://{host}:{server.port}"
-        logger.info("serving %s on %s (weight_version=%s)", model_path, url, weight_version)
+        logger.info(
+            "serving %s on %s (weight_version=%s, keys: %s)", model_path, url, weight_version,
+            "admin+api" if admin_api_key and api_key else "admin" if admin_api_key
+            else "api" if api_key else "none",
+        )  # fmt: skip
         if on_ready is not None:
             on_ready(url)
         await (stop or asyncio.Event()).wait()
     finally:
         await engine.aclose()
         await runner.cleanup()
+        server.weights.close()
         logger.info("server on port %d stopped", server.port)
 
 
@@ -459,8 +436,12 @@ def run_engine_server(
     weight_version: str = "default",
     served_model_name: str | None = None,
     on_ready: Callable[[str], None] | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    extra_hosts: Iterable[str] = (),
+    weights_dirs: Iterable[str | Path] = (),
 ) -> None:
-    """Serve ``engine`` until SIGINT or SIGTERM, then shut down cleanly."""
+    """Serve ``engine`` until SIGINT or SIGTERM, then shut down cleanly (see :func:`serve`)."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -476,6 +457,10 @@ def run_engine_server(
             weight_version=weight_version,
             on_ready=on_ready,
             stop=stop,
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+            extra_hosts=extra_hosts,
+            weights_dirs=weights_dirs,
         )
 
     asyncio.run(main())

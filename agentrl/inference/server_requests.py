@@ -2,7 +2,12 @@
 
 Large bodies are parsed, and text prompts tokenised, in a worker thread, so that one 10 MB
 request never stalls ``/health`` or the requests being decoded; the body size itself is capped
-by the server (``max_body_bytes``). Contract violations raise :class:`ContractError` (SGLang's
+by the server (``max_body_bytes``). Every input is bounded before work that grows with it: JSON
+nested deeper than the parser's limit (~200 levels) or holding a lone UTF-16 surrogate is a 400
+(as is invalid JSON); a prompt of more ids than the context holds is a 400 before its ids are
+checked one by one, and a text prompt of more than ``MAX_CHARS_PER_TOKEN`` characters per token
+of context a 400 before it is tokenised (a tokeniser's memory grows with its input: a 1 MB text
+took +400 MB). Contract violations raise :class:`ContractError` (SGLang's
 ``{"error": "<serde text>"}``), refused requests :class:`RequestError`.
 """
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from pydantic_core import from_json
 
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.sglang_api import (
@@ -27,6 +33,10 @@ from agentrl.inference.sglang_api import (
 
 OFFLOAD_BYTES = 256 * 1024
 """Bodies (and text prompts, in characters) at least this large are parsed off the event loop."""
+
+MAX_CHARS_PER_TOKEN = 8
+"""A text prompt longer than this many characters per token of context is refused untokenised
+(English runs ~4 characters a token); send ``input_ids`` for anything else."""
 
 UNSUPPORTED_TOP_LEVEL = (
     "image_data", "video_data", "audio_data", "lora_path", "session_params",
@@ -55,25 +65,44 @@ class GenerateItem:
         return self.routed_experts_start_len if self.return_routed_experts else -1
 
 
+def parse_json(raw: bytes) -> Any:
+    """``raw`` parsed (pydantic-core's parser: fast, and bounded in depth), or a clear 400.
+
+    Raises:
+        RequestError: invalid JSON, nesting past the parser's limit (~200), or a lone surrogate.
+    """
+    try:
+        return from_json(raw)
+    except ValueError as exc:
+        message = str(exc)
+    if "recursion limit" in message:
+        raise RequestError(f"invalid JSON body: nested too deeply ({message})")
+    try:  # the stdlib takes what pydantic-core refuses only for lone surrogates
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        raise RequestError(f"invalid JSON body: {message}") from None
+    raise RequestError(
+        "invalid JSON body: a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+        "which is not Unicode text"
+    )
+
+
 async def json_body(request: web.Request, default: Any = None) -> Any:
     """The parsed JSON body (``default`` when empty); invalid JSON is a 400.
 
     Raises:
         web.HTTPRequestEntityTooLarge: the body is over the app's ``client_max_size``.
+        RequestError: see :func:`parse_json`; or not an object where ``default`` is one.
     """
     raw = await request.read()
     if not raw.strip():
         if default is None:
             raise RequestError("expected a JSON body")
         return default
-    try:
-        body = (
-            await asyncio.to_thread(json.loads, raw)
-            if len(raw) >= OFFLOAD_BYTES
-            else json.loads(raw)
-        )
-    except ValueError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from exc
+    if len(raw) >= OFFLOAD_BYTES:
+        body = await asyncio.to_thread(parse_json, raw)
+    else:
+        body = parse_json(raw)
     if default is not None and not isinstance(body, dict):
         raise RequestError("expected a JSON object")
     return body
@@ -98,8 +127,18 @@ def expect(values: list[Any], kind: type, expected: str) -> None:
             raise ContractError(f"invalid type: {serde_unexpected(value)}, expected {expected}")
 
 
-def _prompt_sources(body: dict[str, Any]) -> tuple[list[Any], bool, bool]:
-    """Every prompt's ids or text (``input_ids`` wins over ``text``), the batch and text flags."""
+def _too_long(count: int, max_model_len: int) -> RequestError:
+    return RequestError(
+        f"Requested token count exceeds the model's maximum context length of {max_model_len} "
+        f"tokens: {count} input tokens."
+    )
+
+
+def _prompt_sources(body: dict[str, Any], max_model_len: int) -> tuple[list[Any], bool, bool]:
+    """Every prompt's ids or text (``input_ids`` wins over ``text``), the batch and text flags.
+
+    Over-long prompts are refused here, before any per-token work.
+    """
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None:
         if not isinstance(ids, list):
@@ -111,12 +150,22 @@ def _prompt_sources(body: dict[str, Any]) -> tuple[list[Any], bool, bool]:
                 raise ContractError(
                     f"invalid type: {serde_unexpected(prompt)}, expected a sequence"
                 )
+            if len(prompt) >= max_model_len:
+                raise _too_long(len(prompt), max_model_len)
             expect(prompt, int, "i64")
         return prompts, batch, False
     if text is not None:
         batch = isinstance(text, list)
         texts = text if batch else [text]
         expect(texts, str, "a string")
+        limit = MAX_CHARS_PER_TOKEN * max_model_len
+        for t in texts:
+            if len(t) > limit:
+                raise RequestError(
+                    f"text: {len(t)} characters cannot fit the model's maximum context length of "
+                    f"{max_model_len} tokens (text prompts are refused past {limit} characters, "
+                    f"{MAX_CHARS_PER_TOKEN} per token, before tokenising; send input_ids)"
+                )
         return texts, batch, True
     raise RequestError("Either text or input_ids should be provided.")
 
@@ -133,7 +182,7 @@ async def tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 async def parse_generate(
-    body: Any, *, vocab_size: int, tokenizer: Any
+    body: Any, *, vocab_size: int, tokenizer: Any, max_model_len: int
 ) -> tuple[list[GenerateItem], bool]:
     """Validate a ``/generate`` body; its prompts (tokenised) and whether it is a batch."""
     if not isinstance(body, dict):
@@ -147,7 +196,7 @@ async def parse_generate(
             raise RequestError(f"{key} is not supported by agentrl's embedded server")
     if body.get("top_logprobs_num") not in (None, 0) or body.get("return_hidden_states"):
         raise RequestError("top_logprobs_num / return_hidden_states are not supported here")
-    sources, batch, is_text = _prompt_sources(body)
+    sources, batch, is_text = _prompt_sources(body, max_model_len)
     n = len(sources)
     rid = body.get("rid")
     if isinstance(rid, str) and batch:

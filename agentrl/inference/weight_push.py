@@ -27,6 +27,7 @@ import aiohttp
 import torch
 
 from agentrl.errors import ServerError
+from agentrl.inference.api_keys import bearer
 from agentrl.inference.weight_group import (
     GROUP_NAME,
     WeightGroup,
@@ -51,6 +52,8 @@ class DistributedWeightPush:
         bucket_mb: largest bucket; one HTTP call per server and bucket.
         timeout_s: group formation and per-collective timeout, and the HTTP calls' timeout.
         group_name: the group's name on the servers.
+        admin_key: the key the servers' weight routes want (their admin key, or their API key
+            where no admin key is set); sent as a Bearer header.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class DistributedWeightPush:
         bucket_mb: float = 512.0,
         timeout_s: float = 120.0,
         group_name: str = GROUP_NAME,
+        admin_key: str | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("endpoints: expected at least one server URL, got none")
@@ -74,6 +78,7 @@ class DistributedWeightPush:
         self.backend, self.device = backend, torch.device(device)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout_s, self.group_name = timeout_s, group_name
+        self._headers = bearer(admin_key)
         self._group: WeightGroup | None = None
         self._session: aiohttp.ClientSession | None = None
         self.last_push_s = 0.0
@@ -87,7 +92,7 @@ class DistributedWeightPush:
 
     async def _post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self._http().post(url + path, json=payload) as resp:
+            async with self._http().post(url + path, json=payload, headers=self._headers) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -233,11 +238,20 @@ class TensorWeightPush:
     Args:
         endpoints: the servers' URLs.
         timeout_s: HTTP timeout of an update call.
+        api_key: the servers' API key, if they have one.
+        admin_key: their admin key (weight routes), if set apart from the API key.
     """
 
-    def __init__(self, endpoints: list[str], timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        endpoints: list[str],
+        timeout_s: float = 120.0,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+    ) -> None:
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
+        self.api_key, self.admin_key = api_key, admin_key
         self.last_push_s = 0.0
         self._client: Any = None
 
@@ -251,7 +265,12 @@ class TensorWeightPush:
 
         t0 = time.perf_counter()
         if self._client is None:
-            self._client = SGLangClient(self.endpoints, timeout_s=self.timeout_s)
+            self._client = SGLangClient(
+                self.endpoints,
+                timeout_s=self.timeout_s,
+                api_key=self.api_key,
+                admin_api_key=self.admin_key,
+            )
         if any(t.device.type == "cuda" for t in weights.values()):
             torch.cuda.synchronize()  # the server reads the memory on its own streams
         await self._client.update_weights_from_tensor(weights, version)

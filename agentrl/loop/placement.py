@@ -204,10 +204,13 @@ def make_weight_push(config: TrainConfig, device: torch.device) -> Any:
     inf = config.inference
     if not inf.endpoints or inf.weight_sync == "disk":
         return None
+    api_key, admin_key = inf.keys()
     if inf.weight_sync == "tensor":
         from agentrl.inference.weight_push import TensorWeightPush
 
-        return TensorWeightPush(inf.endpoints, timeout_s=inf.timeout_s)
+        return TensorWeightPush(
+            inf.endpoints, timeout_s=inf.timeout_s, api_key=api_key, admin_key=admin_key
+        )
     from agentrl.inference.weight_push import DistributedWeightPush
 
     port = inf.weight_sync_port
@@ -223,6 +226,7 @@ def make_weight_push(config: TrainConfig, device: torch.device) -> Any:
         device=device,
         bucket_mb=inf.weight_sync_bucket_mb,
         timeout_s=inf.timeout_s,
+        admin_key=admin_key or api_key,
     )
 
 
