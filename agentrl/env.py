@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import gymnasium
 from gymnasium import spaces
@@ -32,6 +32,8 @@ from gymnasium import spaces
 from agentrl.config_errors import did_you_mean
 from agentrl.errors import ConfigError, EnvError
 from agentrl.types import Message, Task
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,10 @@ class Env(ABC):
 class SyncEnv(Env):
     """Adapter for synchronous environments: implement ``reset_sync``/``step_sync``.
 
-    They run in a worker thread, so a slow env never blocks the event loop.
+    They run in a worker thread, so a slow env never blocks the event loop: a daemon thread of
+    the rollout engine's own pool (:mod:`agentrl.rollout.env_pool`), not the loop's default
+    executor. A call past ``rollout.env_timeout_s`` fails its episode and its thread is
+    abandoned (a thread cannot be killed); ``close_sync`` may then run while it is still stuck.
     """
 
     @abstractmethod
@@ -114,15 +119,22 @@ class SyncEnv(Env):
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
         """Run ``reset_sync`` in a worker thread."""
-        return await asyncio.to_thread(self.reset_sync, task, seed=seed)
+        return await _run_sync(self.reset_sync, task, seed=seed)
 
     async def step(self, action: str) -> StepResult:
         """Run ``step_sync`` in a worker thread."""
-        return await asyncio.to_thread(self.step_sync, action)
+        return await _run_sync(self.step_sync, action)
 
     async def close(self) -> None:
         """Run ``close_sync`` in a worker thread."""
-        await asyncio.to_thread(self.close_sync)
+        await _run_sync(self.close_sync)
+
+
+async def _run_sync(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn`` in a thread of the env pool (imported here: ``agentrl.rollout`` imports this)."""
+    from agentrl.rollout.env_pool import run_sync
+
+    return await run_sync(fn, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- tools
@@ -141,11 +153,11 @@ class Tool:
     """JSON schema of the arguments (shown to the model)."""
 
     async def __call__(self, arguments: dict[str, Any]) -> str:
-        """Run the tool; a sync function runs in a worker thread."""
+        """Run the tool; a sync function runs in a worker thread (as :class:`SyncEnv`'s do)."""
         if inspect.iscoroutinefunction(self.fn):
             out = await self.fn(**arguments)
         else:
-            out = await asyncio.to_thread(self.fn, **arguments)
+            out = await _run_sync(self.fn, **arguments)
         return str(out)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import gymnasium
 import pytest
@@ -11,6 +13,7 @@ import agentrl.env as envmod
 from agentrl.env import (
     Env,
     StepResult,
+    SyncEnv,
     Tool,
     ToolCallError,
     ToolEnv,
@@ -70,6 +73,37 @@ def test_register_a_class_directly() -> None:
         )
     finally:
         envmod._REGISTRY.pop("echo-test-v0")
+
+
+def test_check_env_fails_an_env_that_blocks_instead_of_hanging() -> None:
+    release = threading.Event()
+
+    class Stuck(SyncEnv):
+        def reset_sync(self, task, *, seed=None):
+            return [Message(role="user", content=task.prompt)], {}
+
+        def step_sync(self, action):
+            release.wait()  # blocks its thread until the test ends
+            return StepResult(terminated=True)
+
+    class Sleeps(Stuck, Env):
+        async def step(self, action):
+            time.sleep(0.3)  # blocks the event loop: no timeout can fire
+            return StepResult(terminated=True)
+
+    register("stuck-test-v0", Stuck)
+    register("sleeps-test-v0", Sleeps)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(EnvError, match=r"^step\(\) took longer than 0.2 s$"):
+            check_env("stuck-test-v0", [Task(id="a", prompt="p")], timeout_s=0.2)
+        assert time.perf_counter() - t0 < 2
+        with pytest.raises(EnvError, match=r"^step\(\) blocked the event loop for more than 0.2"):
+            check_env("sleeps-test-v0", [Task(id="a", prompt="p")], timeout_s=0.2)
+    finally:
+        release.set()
+        envmod._REGISTRY.pop("stuck-test-v0")
+        envmod._REGISTRY.pop("sleeps-test-v0")
 
 
 def test_parse_tool_calls() -> None:

@@ -77,7 +77,11 @@ def test_a_failing_env_stops_the_run_with_its_traceback(
     with caplog.at_level(logging.ERROR), pytest.raises(TrainingError) as info:
         asyncio.run(trainer.run())
     message = str(info.value)
-    assert message.startswith("stopping at step 2: more than train.max_failed_frac=0.5")
+    first_line = message.splitlines()[0]
+    assert first_line.startswith("stopping at step 2: more than train.max_failed_frac=0.5")
+    assert first_line.endswith(  # one line says why, and what failed first
+        "The first failure: ValueError: boom in the env's step (task train-4, env health-broken-v0)"
+    )
     assert "Traceback (most recent call last)" in message
     assert 'raise ValueError("boom in the env\'s step")' in message
     assert "ValueError: boom in the env's step" in message

@@ -5,9 +5,10 @@
 
 - the first traceback of a failing episode is logged at ERROR, once per run;
 - a step where every group had equal rewards (no signal: the learner did nothing) is a warning;
-- a run stops with :class:`~agentrl.errors.TrainingError` (holding that first traceback) when
-  more than ``train.max_failed_frac`` of a step's episodes fail for ``train.max_failed_steps``
-  steps in a row;
+- a run stops with :class:`~agentrl.errors.TrainingError` when more than
+  ``train.max_failed_frac`` of a step's episodes fail for ``train.max_failed_steps`` steps in a
+  row: its first line says so and names the first failure, the first traceback follows; the
+  process then ends even if env threads are stuck (:func:`~agentrl.rollout.watchdog.guard_exit`);
 - a few failed, timed-out and zero-signal episodes of each step are written to
   ``trajectories.jsonl`` beside the trained ones, marked by ``"kind"``, so the report shows them.
 """
@@ -25,6 +26,7 @@ import torch
 from agentrl import fast_json
 from agentrl.config import TrainLoopConfig
 from agentrl.errors import TrainingError
+from agentrl.rollout.watchdog import guard_exit
 from agentrl.types import Group, Trajectory
 
 log = logging.getLogger("agentrl.loop.trainer")
@@ -43,6 +45,8 @@ class RunHealth:
     def __init__(self, config: TrainLoopConfig) -> None:
         self.config = config
         self.first_traceback: str | None = None
+        self.first_error: str | None = None
+        """``"Type: message"`` of the run's first failed episode, with its task."""
         self.failed_streak = 0
 
     def observe(
@@ -69,6 +73,7 @@ class RunHealth:
                     samples["failed"].append(t)
                     if self.first_traceback is None:
                         self.first_traceback = t.info.get("traceback") or t.error
+                        self.first_error = f"{t.error} (task {t.task_id}, env {t.env_id})"
                         log.error(
                             "an episode failed (first failure of this run, task %s):\n%s",
                             t.task_id,
@@ -97,12 +102,15 @@ class RunHealth:
         frac = metrics.get("rollout/failed", 0.0) / episodes
         self.failed_streak = self.failed_streak + 1 if frac > self.config.max_failed_frac else 0
         if self.failed_streak >= self.config.max_failed_steps:
-            raise TrainingError(
+            first = (self.first_error or "").replace("\n", " ")
+            message = (
                 f"stopping at step {step}: more than train.max_failed_frac="
                 f"{self.config.max_failed_frac:g} of the episodes failed in each of the last "
                 f"{self.failed_streak} steps (train.max_failed_steps); {frac:.0%} failed in the "
-                f"last one. The first failure:\n{self.first_traceback}"
+                f"last one. The first failure: {first}\n{self.first_traceback}"
             )
+            guard_exit(message)  # stuck threads must not keep a failed run alive
+            raise TrainingError(message)
 
 
 def write_records(

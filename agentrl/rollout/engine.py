@@ -3,8 +3,11 @@
 Each episode runs as its own asyncio task under a concurrency limit and a timeout: reset the env,
 tokenise the prompt, then alternate ``client.generate`` (new ids + log-probs + weight versions)
 and ``env.step`` until the env ends the episode or a budget does (turns, context tokens, time).
-Observations are appended as the chat template's delta with loss mask 0. A failing env or
-request is recorded on its trajectory and counted; it never stops the other episodes. Rewards
+Observations are appended as the chat template's delta with loss mask 0, once bounded
+(:mod:`~agentrl.rollout.observations`). A failing env or request is recorded on its trajectory
+and counted; it never stops the other episodes. Synchronous env code runs in the engine's own
+threads (:mod:`~agentrl.rollout.env_pool`) and a watchdog reports an async env that blocks the
+event loop (:mod:`~agentrl.rollout.watchdog`): no env can hang the engine. Rewards
 come from ``env.step`` (verifiers run there, off the event loop), so scoring one episode overlaps
 with generating the others.
 
@@ -28,77 +31,21 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol, cast
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from agentrl.env import Env
 from agentrl.errors import ConfigError, ServerError
 from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingParams
+from agentrl.rollout import observations
 from agentrl.rollout.chat import ChatTokenizer
+from agentrl.rollout.env_pool import EnvThreads, EnvThreadsStuck, reset_pool, use_pool
 from agentrl.rollout.episode import EpisodeState, checked_reset, checked_step, env_call
 from agentrl.rollout.records import JsonlSink, rollout_metrics
+from agentrl.rollout.rollout_config import RolloutConfig
+from agentrl.rollout.watchdog import LoopWatchdog, OnStall
 from agentrl.types import Group, Message, Task, Trajectory
 
 __all__ = ["EnvFactory", "JsonlSink", "RolloutConfig", "RolloutEngine", "rollout_metrics"]
 
 log = logging.getLogger(__name__)
-
-
-class RolloutConfig(BaseModel):
-    """How episodes are run."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    group_size: int = Field(8, ge=1)
-    """Episodes per task (G); advantages are normalised within a group."""
-    max_turns: int = Field(4, ge=1)
-    """Assistant turns per episode; more ends the episode as truncated."""
-    max_new_tokens: int = Field(128, ge=1)
-    """Tokens sampled per assistant turn."""
-    max_total_tokens: int = Field(1024, ge=2)
-    """Context budget: prompt + every turn; reaching it truncates the episode."""
-    concurrency: int = Field(256, ge=1)
-    """Episodes in flight at once."""
-    episode_timeout_s: float = Field(600.0, gt=0)
-    """Wall time per episode; exceeding it fails the episode (finish reason ``timeout``, failure
-    cause ``timeout``: it counts in ``rollout/failed``)."""
-    env_timeout_s: float | None = Field(60.0, gt=0)
-    """Wall time of one env call (``reset``, ``step`` or ``close``, sync or async); exceeding it
-    fails the episode with cause ``timeout``. ``None``: only the episode timeout applies."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature (0: greedy); the learner's follows it."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1: off)."""
-    top_k: int = -1
-    """Sample among the k likeliest tokens (-1: off)."""
-    seed: int | None = 0
-    """Base of per-request sampling seeds (reproducible runs); ``None`` for unseeded sampling."""
-    success_threshold: float = 1.0
-    """An episode whose final reward reaches this counts as a success."""
-    ignore_eos: bool = False
-    """Sample past EOS until ``max_new_tokens`` (fixed-length turns, for benchmarks and tests)."""
-    return_routed_experts: bool | None = None
-    """Record the experts an MoE policy routed every token to (``Trajectory.routed_experts``).
-    ``None``: on when the embedded engine records routing (an MoE model); ``True`` needs a
-    server that returns them (``--enable-return-routed-experts`` on SGLang or ``agentrl serve``)."""
-    interrupt_mode: Literal["abort", "retract", "in_place"] = "abort"
-    """How a weight push (overlapped loop) interrupts the turns in flight, as the server's pause
-    mode: ``abort``, they return what they sampled and resume from prompt + partial output, their
-    cache recomputed by the new weights; ``retract``, they stay open and the engine recomputes
-    their cache on resume (the same numbers, no round trip through the episodes); ``in_place``,
-    they stay open with the cache the old weights computed: nothing recomputed (cheapest), but
-    the new tokens' log-probs see a prefix encoded by the old weights (counted in
-    ``mismatch/numeric_*``: 1.3e-2 vs 1.8e-7 on average in ``benchmarks/interrupt_modes.py``'s
-    CPU run). A client that cannot pause supports ``abort`` only."""
-
-    def sampling(self) -> SamplingParams:
-        """The per-turn sampling parameters (``max_new_tokens`` is lowered near the budget)."""
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            ignore_eos=self.ignore_eos,
-        )
 
 
 EnvFactory = Callable[[], Env]
@@ -146,6 +93,9 @@ class RolloutEngine:
         tokenizer: the policy's tokenizer (with a chat template).
         config: budgets, group size, sampling.
         chat: a :class:`ChatTokenizer` (built from ``tokenizer`` when omitted).
+        on_stall: ``f(message, stack)``, called when an async env blocks the event loop past
+            ``env_timeout_s`` (:mod:`~agentrl.rollout.watchdog`); by default the process stops
+            with ``message`` as its one error line, status 1.
     """
 
     def __init__(
@@ -155,6 +105,7 @@ class RolloutEngine:
         config: RolloutConfig | None = None,
         *,
         chat: ChatTokenizer | None = None,
+        on_stall: OnStall | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -165,6 +116,16 @@ class RolloutEngine:
                 f"can pause (the embedded engine, SGLang); {type(client).__name__} cannot"
             )
         self.chat = chat or ChatTokenizer(tokenizer)
+        self.env_threads = EnvThreads(self.config.env_threads)
+        """Threads of synchronous env code (``rollout.env_threads``)."""
+        env_s, episode_s = self.config.env_timeout_s, self.config.episode_timeout_s
+        self._watchdog = LoopWatchdog(
+            env_s or episode_s,
+            env_call.__code__,
+            on_stall,
+            limit_name="rollout.env_timeout_s" if env_s else "rollout.episode_timeout_s",
+        )
+        self._warned: set[str] = set()  # envs whose too-long observation was logged
         self._sem = asyncio.Semaphore(self.config.concurrency)
         self._token_text: dict[int, str] = {}
         self._gate = asyncio.Event()
@@ -223,10 +184,14 @@ class RolloutEngine:
         rid: list[str | None] = [None]
         env: Env | None = None
         async with self._sem:
+            pool = use_pool(self.env_threads)  # SyncEnv and sync tools run in its threads
             try:
                 env = make_env()
                 async with asyncio.timeout(self.config.episode_timeout_s):
-                    await self._loop(env, task, ep, episode_id, seed, rid)
+                    with self._watchdog.watching():
+                        await self._loop(env, task, ep, episode_id, seed, rid, env_id)
+            except EnvThreadsStuck:
+                raise  # the env hangs for good: the run must stop
             except TimeoutError as e:
                 if not str(e):
                     e = TimeoutError(f"episode took longer than {self.config.episode_timeout_s} s")
@@ -237,8 +202,11 @@ class RolloutEngine:
                 ep.fail(e)
                 log.debug("episode %s failed", episode_id, exc_info=True)
             finally:
-                if env is not None:
-                    await self._close_quietly(env, ep)
+                try:
+                    if env is not None:
+                        await self._close_quietly(env, ep)
+                finally:
+                    reset_pool(pool)
         ep.timing.wall_s = time.perf_counter() - t0
         return ep.trajectory(task_id=task.id, env_id=env_id, group_index=group_index)
 
@@ -250,6 +218,7 @@ class RolloutEngine:
         episode_id: str,
         seed: int | None,
         rid: list[str | None],
+        env_id: str,
     ) -> None:
         cfg = self.config
         t = time.perf_counter()
@@ -257,6 +226,7 @@ class RolloutEngine:
             await env_call("reset", env.reset(task, seed=seed), cfg.env_timeout_s)
         )
         ep.timing.env_s += time.perf_counter() - t
+        observations.check_prompt_size(first, cfg.max_total_tokens)
         ep.messages += first
         ep.tokens = self.chat.prompt_ids(first)
         ep.prompt_len = n = len(ep.tokens)
@@ -290,7 +260,10 @@ class RolloutEngine:
                 ep.truncated, ep.finish_reason = True, "max_new_tokens" if full else "max_tokens"
                 return
             t = time.perf_counter()
-            result = checked_step(await env_call("step", env.step(action), cfg.env_timeout_s))
+            raw = await env_call("step", env.step(action), cfg.env_timeout_s)
+            cap = cfg.max_observation_tokens
+            raw, chars = observations.bounded_step(raw, cap * observations.CHARS_PER_TOKEN)
+            result = checked_step(raw)
             ep.timing.env_s += time.perf_counter() - t
             span.reward, span.info = result.reward, dict(result.info)
             if reasoning is not None:
@@ -301,7 +274,18 @@ class RolloutEngine:
                 ep.terminated, ep.truncated = result.terminated, result.truncated
                 ep.finish_reason = "terminated" if result.terminated else "env_truncated"
                 return
-            obs = self.chat.observation_ids(result.observation, last_token_text=stop_text)
+            obs = None  # (text over the character bound is never tokenised)
+            if chars <= cap * observations.CHARS_PER_TOKEN:
+                obs = self.chat.observation_ids(result.observation, last_token_text=stop_text)
+            if obs is None or len(obs) > cap:
+                name = f"{env_id} ({type(env).__name__})" if env_id else type(env).__name__
+                why = observations.too_long(name, chars, None if obs is None else len(obs), cap)
+                if name not in self._warned:  # once per env: the info of each episode says it
+                    self._warned.add(name)
+                    log.warning("%s", why)
+                ep.truncated, ep.finish_reason = True, observations.FINISH_REASON
+                ep.info[observations.FINISH_REASON] = why
+                return
             if len(ep.tokens) + len(obs) >= cfg.max_total_tokens:
                 ep.truncated, ep.finish_reason = True, "max_tokens"
                 return
@@ -435,6 +419,8 @@ class RolloutEngine:
         """``env.close()`` under ``env_timeout_s``; a failure fails the episode (if nothing had)."""
         try:
             await env_call("close", env.close(), self.config.env_timeout_s)
+        except EnvThreadsStuck:
+            raise
         except Exception as e:
             ep.fail(e, where=" in close()")
 

@@ -6,8 +6,10 @@ Everything an env hands back is checked here before the engine uses it: ``reset`
 ``info`` is a JSON-serialisable dict. Anything else is an :class:`EnvError` on that episode only,
 as an exception raised by the env is, so one bad env never costs the batch.
 
-Every env call (``reset``, ``step``, ``close``; synchronous envs run in a worker thread) runs
-under ``env_timeout_s`` besides the episode's own timeout. A failed episode carries its cause
+Every env call (``reset``, ``step``, ``close``; synchronous envs run in a thread of
+:mod:`~agentrl.rollout.env_pool`) runs under ``env_timeout_s`` besides the episode's own timeout;
+a call that blocked the event loop past it fails too, once it returns (:mod:`~agentrl.rollout.
+watchdog` reports one that does not). A failed episode carries its cause
 (:data:`FAILURE_CAUSES`) in ``trajectory.info["failure"]``.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 import traceback
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from pydantic import ValidationError
 from agentrl.env import StepResult
 from agentrl.errors import EnvError, ServerError
 from agentrl.inference.base import GenerateOutput
+from agentrl.rollout.env_pool import EnvThreadsStuck, take_abandoned
 from agentrl.types import Message, RoutedExperts, Timing, Trajectory, TurnSpan
 
 T = TypeVar("T")
@@ -39,7 +43,14 @@ returned something malformed), the inference server, or anything else."""
 
 
 class EnvTimeout(TimeoutError):
-    """An env call (``reset``/``step``/``close``) ran past ``env_timeout_s``."""
+    """An env call (``reset``/``step``/``close``) ran past ``env_timeout_s``.
+
+    ``stack``: where a synchronous call was when its thread was abandoned (else empty).
+    """
+
+    def __init__(self, message: str, stack: str = "") -> None:
+        super().__init__(message)
+        self.stack = stack
 
 
 class EnvRaised(EnvError):
@@ -72,6 +83,8 @@ class EpisodeState:
     interruptions: int = 0
     resumes: int = 0
     timing: Timing = field(default_factory=Timing)
+    info: dict[str, Any] = field(default_factory=dict)
+    """Extra entries of the trajectory's ``info`` (e.g. ``observation_too_long``)."""
     routing: np.ndarray | None = None
     """Routed experts of ``tokens`` so far (``rollout.return_routed_experts``), int16
     ``(rows, layers, top_k)``; see :meth:`add_routing`."""
@@ -132,14 +145,23 @@ class EpisodeState:
         cause = failure_cause(exc)
         shown = exc.original if isinstance(exc, EnvRaised) else exc
         self.error = f"{type(shown).__name__}{where}: {shown}"
-        self.traceback = "".join(traceback.format_exception(shown))
+        stack = getattr(shown, "stack", "")
+        self.traceback = (  # where a stuck thread is, rather than where the wait ended
+            f"The env call when it was abandoned (its thread is stuck):\n{stack}{self.error}\n"
+            if stack
+            else "".join(traceback.format_exception(shown))
+        )
         self.failure = cause
         self.finish_reason = "timeout" if cause == "timeout" else "error"
         self.truncated = self.truncated or cause == "timeout"
 
     def trajectory(self, *, task_id: str, env_id: str, group_index: int) -> Trajectory:
         """The finished :class:`Trajectory` (a failed, empty one if the state cannot validate)."""
-        info: dict[str, Any] = {"interruptions": self.interruptions, "resumes": self.resumes}
+        info: dict[str, Any] = {
+            **self.info,
+            "interruptions": self.interruptions,
+            "resumes": self.resumes,
+        }
         if self.failure is not None:
             info["failure"] = self.failure
         if self.traceback:
@@ -201,16 +223,37 @@ def failure_cause(exc: BaseException) -> FailureCause:
 
 
 async def env_call(what: str, call: Awaitable[T], timeout_s: float | None) -> T:
-    """Await one env call under ``timeout_s``; an exception it raises becomes an env failure."""
+    """Await one env call under ``timeout_s``; an exception it raises becomes an env failure.
+
+    A call that returns after ``timeout_s`` (it blocked the event loop, so the timeout could
+    not fire) fails as well. The rollout watchdog finds a blocking call by this function's frame.
+
+    Raises:
+        EnvTimeout: past ``timeout_s``; for a synchronous call, naming where its thread is stuck.
+        EnvThreadsStuck: too many synchronous calls are stuck (the run must stop).
+    """
+    t0 = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
-            return await call
+            out = await call
     except TimeoutError:
-        raise EnvTimeout(f"env {what}() took longer than env_timeout_s={timeout_s}") from None
-    except (EnvError, asyncio.CancelledError):
+        message = f"env {what}() took longer than env_timeout_s={timeout_s}"
+        stuck = take_abandoned()
+        if stuck is None:
+            raise EnvTimeout(message) from None
+        name, where, stack = stuck
+        raise EnvTimeout(f"{message}; its thread is stuck in {name}, at {where}", stack) from None
+    except (EnvError, EnvThreadsStuck, asyncio.CancelledError):
         raise
     except Exception as exc:
         raise EnvRaised(exc) from exc
+    took = time.monotonic() - t0
+    if timeout_s is not None and took > timeout_s:
+        raise EnvTimeout(
+            f"env {what}() returned after {took:.1f} s, past env_timeout_s={timeout_s}: it "
+            "blocked the event loop (an async env must await, never block)"
+        )
+    return out
 
 
 def _message(value: Any, where: str) -> Message:
