@@ -202,7 +202,7 @@ def test_resume_before_the_first_checkpoint_starts_over(tmp_path: Path) -> None:
     (killed / "trajectories.jsonl").write_text((fresh / "trajectories.jsonl").read_text() * 2)
     trainer = Trainer(load_config(quick_run(killed, 1)), resume=True)
     asyncio.run(trainer.run())
-    assert trainer.notice is not None and "no checkpoint" in trainer.notice
+    assert trainer.notice is not None and "no good checkpoint" in trainer.notice
     assert records(killed) == records(fresh)  # before: steps [0, 1, 1, 0, 1, 1]
     t_fresh = (fresh / "trajectories.jsonl").read_text().splitlines()
     assert len((killed / "trajectories.jsonl").read_text().splitlines()) == len(t_fresh)
@@ -219,7 +219,7 @@ def test_finished_run_resumes_as_a_no_op_and_checkpoints_once(tmp_path: Path) ->
     save = trainer.learner.save_checkpoint
     trainer.learner.save_checkpoint = lambda path: (saved.append(Path(path).name), save(path))[1]
     asyncio.run(trainer.run())
-    assert saved == ["step-000002"]  # before: the final checkpoint was written twice
+    assert saved == [".tmp-step-000002"]  # once (before: twice); written aside, then renamed
     before = {p.name: p.read_bytes() for p in tmp_path.glob("*.json*")}
     again = Trainer(load_config(quick_run(tmp_path, 2)), resume=True)
     summary = asyncio.run(again.run())

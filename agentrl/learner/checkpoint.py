@@ -18,6 +18,7 @@ Two formats, two purposes:
 from __future__ import annotations
 
 import copy
+import io
 import json
 import warnings
 from pathlib import Path
@@ -145,7 +146,9 @@ def save_training_state(
     with warnings.catch_warnings():  # one process is the intended case, not a misconfiguration
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, checkpoint_id=str(root), no_dist=world_size == 1)
-    torch.save(state["rng"], root / f"rng-rank{rank}.pt")
+    buf = io.BytesIO()  # through memory: a full disk is then ENOSPC, not torch's RuntimeError
+    torch.save(state["rng"], buf)
+    (root / f"rng-rank{rank}.pt").write_bytes(buf.getbuffer())
     if rank == 0:
         meta = {**meta, "has_optimizer": state["optimizer"] is not None}
         (root / "meta.json").write_text(json.dumps(meta))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -208,4 +209,41 @@ async def cold_start(
         target=target,
         on_progress=on_progress,
     )
+    return stats
+
+
+async def of_trainer(trainer: Any) -> dict[str, float]:
+    """The cold start of a :class:`~agentrl.loop.trainer.Trainer` (its ``cold_start`` section).
+
+    Its held-out checks evaluate as the trainer does; its progress goes to ``trainer.on_step``
+    (shown, not logged). A stop signal abandons it (:class:`~agentrl.loop.stop.Stopped`): a
+    resume redoes it. Afterwards the learner takes the fine-tuned weights, a fresh optimizer,
+    and the engine gets them.
+    """
+    from agentrl.loop import ranks as dist_ranks
+    from agentrl.loop import stop
+
+    cs = trainer.config.cold_start
+    if cs.steps == 0:
+        return {}
+    model, push = dist_ranks.cold_start_model(trainer)  # several ranks: an unsharded replica
+
+    async def check() -> float:
+        await push()
+        return float((await trainer.evaluate())["eval/success_rate"])
+
+    def progress(m: dict[str, float]) -> None:
+        if (signum := stop.requested()) is not None:
+            raise stop.Stopped(trainer.step, signum, trainer.run_dir)
+        if trainer.on_step is not None:
+            trainer.on_step({"step": trainer.step, **m})
+
+    stats = await cold_start(
+        model, trainer.make_env, trainer.chat, trainer.train_tasks, steps=cs.steps,
+        batch_size=cs.batch_size, lr=cs.lr, seed=trainer.config.seed, check=check,
+        check_every=cs.check_every, target=cs.target_success, on_progress=progress,
+    )  # fmt: skip
+    dist_ranks.adopt_cold_start(trainer.learner, model)
+    trainer.learner.reset_optimizer()
+    await trainer.sync_weights()
     return stats

@@ -25,6 +25,8 @@ from tqdm import tqdm
 from agentrl.config import TrainConfig, load_config
 from agentrl.config_reference import add_flags, flag_dest, flag_overrides, reference
 from agentrl.errors import ConfigError, TrainingError
+from agentrl.loop import stop
+from agentrl.loop.atomic import DiskFull, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -34,21 +36,29 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any]:
+def run_training(
+    config: TrainConfig, *, resume: bool = False, overwrite: bool = False
+) -> dict[str, Any]:
     """Train with a progress bar showing the latest reward; print and return the summary.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train together
-    (:mod:`agentrl.loop.ranks`); rank 0 alone draws progress and prints the summary.
+    (:mod:`agentrl.loop.ranks`); rank 0 alone draws progress and prints the summary. SIGINT and
+    SIGTERM stop the run at a step, checkpointed (:mod:`agentrl.loop.stop`).
+
+    Raises:
+        Stopped: a signal stopped the run; its ``command`` resumes it (:func:`exit_code`
+            prints it and returns 130 or 143).
     """
     from agentrl.loop.placement import resolve_device
     from agentrl.loop.ranks import process_group
 
-    device = resolve_device(config.model.device)
-    with process_group(device, config.train.dist_timeout_s) as ranks:
-        return _train(config, resume=resume, quiet=not ranks.is_main)
+    with stop.signals():
+        device = resolve_device(config.model.device)
+        with process_group(device, config.train.dist_timeout_s) as ranks:
+            return _train(config, resume=resume, overwrite=overwrite, quiet=not ranks.is_main)
 
 
-def _train(config: TrainConfig, *, resume: bool, quiet: bool) -> dict[str, Any]:
+def _train(config: TrainConfig, *, resume: bool, overwrite: bool, quiet: bool) -> dict[str, Any]:
     from agentrl.loop.trainer import Trainer
 
     def on_step(m: dict[str, float]) -> None:
@@ -76,14 +86,27 @@ def _train(config: TrainConfig, *, resume: bool, quiet: bool) -> dict[str, Any]:
             )
 
     bar: Any = None
+    trainer: Trainer | None = None
     if not logging.getLogger().handlers:  # the env's first traceback and warnings reach stderr
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:  # the other ranks of a multi-process run are quiet
-        trainer = Trainer(config, resume=resume, on_step=None if quiet else on_step)
+        trainer = Trainer(
+            config, resume=resume, overwrite=overwrite, on_step=None if quiet else on_step
+        )
         if not quiet:
             bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
             bar.write(f"run directory: {trainer.run_dir}")
         summary = asyncio.run(trainer.run())
+    except (stop.Stopped, asyncio.CancelledError) as e:
+        signum = e.signum if isinstance(e, stop.Stopped) else stop.requested()
+        if signum is None:  # cancelled, not by a stop signal
+            raise
+        if trainer is None:
+            raise stop.Stopped(0, signum) from None
+        # a second signal abandons the step in flight: the newest checkpoint is what remains
+        done = stop.Stopped(trainer.saved_step or 0, signum, trainer.run_dir)
+        done.command = stop.resume_command(trainer.run_dir.resolve())
+        raise done from None
     finally:
         if bar is not None:
             bar.close()
@@ -116,7 +139,8 @@ def exit_code(main: Callable[[], int | None]) -> int:
 
     Returns:
         ``main``'s code (0 for ``None``), 2 for a :class:`ConfigError` (a bad config, path or
-        argument) and 1 for a :class:`TrainingError` (the run stopped: its message says why).
+        argument), 1 for a :class:`TrainingError` (the run stopped: its message says why; a full
+        disk is one) and ``128 + signal`` for a run a signal stopped (130 SIGINT, 143 SIGTERM).
     """
     try:
         return int(main() or 0)
@@ -125,6 +149,18 @@ def exit_code(main: Callable[[], int | None]) -> int:
         return 2
     except TrainingError as e:
         print(f"agentrl: error: {e}", file=sys.stderr)
+        return 1
+    except stop.Stopped as e:
+        print(e.line(), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the run's handlers were installed
+        print("stopped before the run started; nothing to resume", file=sys.stderr)
+        return 130
+    except OSError as e:  # a write this code did not wrap
+        if not is_disk_full(e):
+            raise
+        where = e.filename or "the run directory"
+        print(f"agentrl: error: {DiskFull(where)}", file=sys.stderr)
         return 1
 
 
@@ -165,13 +201,18 @@ def add_train(subparsers: Any) -> None:
     p.add_argument("-h", "--help", action=_HelpWithReference, help="this help and every field")
     p.add_argument("config", help="config file (TOML or YAML)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run_dir")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run --run_dir holds (else a run directory in use is refused)",
+    )
     add_imports(p)
     p.set_defaults(func=_cmd_train, accepts_overrides=True)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, imports=args.imports)
-    run_training(config, resume=args.resume)
+    run_training(config, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 

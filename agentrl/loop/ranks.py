@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.errors import ConfigError, TrainingError
+from agentrl.loop.stop import Stopped
 from agentrl.types import Group, Task
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def process_group(device: torch.device, timeout_s: float) -> Iterator[Ranks]:
         logging.getLogger("agentrl").setLevel(logging.WARNING)
     try:
         yield ranks
-    except (KeyboardInterrupt, SystemExit):  # every rank got the signal (torchrun forwards it)
+    except (KeyboardInterrupt, SystemExit, Stopped):  # every rank got it (torchrun forwards)
         ranks._watch.stop()
         raise
     except BaseException as exc:

@@ -2,19 +2,41 @@
 
 A run directory's logs (:data:`LOGS`) are append-only; a run killed between two checkpoints has
 logged steps that its resume will run again, so resuming first cuts them back to the
-checkpoint's step (or to nothing when there is no checkpoint yet). A run that already reached
-its last step resumes as a no-op.
+checkpoint's step, atomically (a kill leaves the old log or the cut one, whole). With no good
+checkpoint the run starts over and its old logs are kept aside, renamed. A run that already
+reached its last step resumes as a no-op. Checkpoints are written aside and sealed by a
+manifest (:mod:`agentrl.loop.checkpoints`); resume uses the newest one that verifies.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from agentrl.loop.atomic import disk_errors
+from agentrl.loop.checkpoints import begin, commit, committed, name_of, verify
+from agentrl.loop.logs import LOGS, cut_logs, start_over
+
+__all__ = [
+    "LOGS",
+    "cut_logs",
+    "finished_summary",
+    "read_checkpoint",
+    "rng_state",
+    "set_rng_state",
+    "start_over",
+    "write_checkpoint",
+]
+
+log = logging.getLogger("agentrl.loop.trainer")
 
 
 def state_file(path: Path, rank: int) -> Path:
@@ -22,35 +44,83 @@ def state_file(path: Path, rank: int) -> Path:
     return path / ("trainer_state.pt" if rank == 0 else f"trainer_state-rank{rank}.pt")
 
 
-def write_checkpoint(path: Path, learner: Any, state: dict[str, Any], ranks: Any) -> None:
-    """Write the learner's checkpoint and the trainer's ``state`` under ``path``; mark it latest.
+def torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through memory: a full disk is then ``ENOSPC``, not a torch RuntimeError."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with disk_errors(path), open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
-    Every rank calls: each writes its shards and its state; ``checkpoints/latest`` (``path``'s
-    parent) names the checkpoint once all have (``ranks``: :class:`~agentrl.loop.ranks.Ranks`).
+
+def write_checkpoint(
+    root: Path, step: int, learner: Any, state: dict[str, Any], ranks: Any, *, keep: int | None
+) -> Path:
+    """Write the learner's checkpoint and the trainer's ``state`` as ``root/step-NNNNNN``.
+
+    Every rank calls (``ranks``: :class:`~agentrl.loop.ranks.Ranks`): each writes its shards and
+    its state into the temporary directory rank 0 made, then rank 0 seals and renames it
+    (:mod:`agentrl.loop.checkpoints`) and keeps the ``keep`` newest.
+
+    Raises:
+        DiskFull: no space left (the previous checkpoints are untouched).
     """
-    path.mkdir(parents=True, exist_ok=True)
-    learner.save_checkpoint(path)
-    torch.save(state, state_file(path, ranks.rank))
-    ranks.barrier()
-    if ranks.is_main:
-        (path.parent / "latest").write_text(path.name)
+    final = root / name_of(step)
+    tmp = Path(ranks.broadcast(str(begin(root, step)) if ranks.is_main else ""))
+    try:
+        with disk_errors(final):
+            learner.save_checkpoint(tmp)
+            torch_save(state, state_file(tmp, ranks.rank))
+        ranks.barrier()
+        if ranks.is_main:
+            commit(tmp, step, keep=keep)
+    except Exception:
+        if ranks.is_main:  # a full disk: give back the space of the half-written one
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
-def read_checkpoint(run_dir: Path, learner: Any, ranks: Any) -> dict[str, Any] | None:
-    """Restore the latest checkpoint of ``run_dir`` into ``learner`` and the global RNGs.
+def _first_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def read_checkpoint(
+    run_dir: Path, learner: Any, ranks: Any
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """Restore the newest good checkpoint of ``run_dir`` into ``learner`` and the global RNGs.
+
+    Checkpoints are tried newest first; one whose manifest does not hold
+    (:func:`~agentrl.loop.checkpoints.verify`) or that fails to load on any rank is skipped,
+    with one warning line saying why.
 
     Returns:
         The trainer state :func:`write_checkpoint` saved (``step``, ``cursor``, ``rng``), or
-        ``None`` when the run has no checkpoint.
+        ``None`` when no checkpoint is good; and the skip lines.
     """
-    latest = run_dir / "checkpoints" / "latest"
-    if not latest.exists():
-        return None
-    path = run_dir / "checkpoints" / latest.read_text().strip()
-    learner.load_checkpoint(path)
-    state: dict[str, Any] = torch.load(state_file(path, ranks.rank), weights_only=False)
-    set_rng_state(state["rng"])
-    return state
+    root = run_dir / "checkpoints"
+    names = ranks.broadcast([p.name for p in committed(root)] if ranks.is_main else [])
+    skipped: list[str] = []
+    for name in names:
+        path = root / name
+        reason = ranks.broadcast(verify(path) if ranks.is_main else None)
+        state: dict[str, Any] | None = None
+        if reason is None:
+            try:
+                learner.load_checkpoint(path)
+                state = torch.load(state_file(path, ranks.rank), weights_only=False)
+                _ = int(state["step"]), int(state["cursor"]), state["rng"]["python"]  # its shape
+            except Exception as e:  # any load error: this checkpoint is not usable
+                reason = f"cannot be loaded ({_first_line(e)})"
+            reason = next((r for r in ranks.all_gather(reason) if r is not None), None)
+        if reason is not None or state is None:
+            line = f"resume: skipping checkpoint {path}: {reason}"
+            log.warning("%s", line)
+            skipped.append(line)
+            continue
+        set_rng_state(state["rng"])
+        return state, skipped
+    return None, skipped
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,44 +139,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-LOGS = ("metrics.jsonl", "trajectories.jsonl")
-"""The run directory's append-only logs, cut back to the checkpoint a resumed run starts from."""
-
-
-def _drop_lines_after(path: Path, step: int | None) -> None:
-    """Remove records of steps after ``step`` (all of them when ``step`` is ``None``).
-
-    A torn last line (the process died mid-write) is dropped too.
-    """
-    if not path.exists():
-        return
-    keep = []
-    for ln in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(ln)
-        except ValueError:
-            continue
-        if step is not None and rec.get("step", 0) <= step:
-            keep.append(ln)
-    path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-
-
-def cut_logs(run_dir: Path, step: int | None) -> None:
-    """Cut every log of ``run_dir`` back to ``step`` (to nothing when ``None``)."""
-    for name in LOGS:
-        _drop_lines_after(run_dir / name, step)
-
-
-def start_over(run_dir: Path) -> str:
-    """Empty the logs and summaries of a run that has no checkpoint; returns the notice."""
-    logged = any((run_dir / name).exists() for name in LOGS)
-    cut_logs(run_dir, None)
-    for name in ("summary_state.json", "summary.json"):
-        (run_dir / name).unlink(missing_ok=True)
-    notice = f"resume: no checkpoint in {run_dir}; starting the run over"
-    return notice + (" (its logs were cut to nothing)" if logged else "")
-
-
 def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
     """``summary.json`` of a run that finished ``steps`` steps and checkpointed the last."""
     latest = run_dir / "checkpoints" / "latest"
@@ -115,6 +147,7 @@ def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
         return None
     summary = json.loads(summary_path.read_text())
     done = int(summary.get("steps", -1))
-    if done < steps or latest.read_text().strip() != f"step-{done:06d}":
+    name = latest.read_text().strip()
+    if done < steps or name != name_of(done) or verify(run_dir / "checkpoints" / name):
         return None
     return dict(summary)

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
-from agentrl.config import TrainConfig, dump_config
+from agentrl.config import TrainConfig
 from agentrl.data import tasks_for
 from agentrl.env import Env, import_envs, make
 from agentrl.errors import ConfigError
@@ -32,7 +33,9 @@ from agentrl.inference.base import InferenceClient
 from agentrl.learner import Learner, samples_from_trajectories
 from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop import ranks as dist_ranks
-from agentrl.loop.cold_start import cold_start as run_cold_start
+from agentrl.loop import stop
+from agentrl.loop.atomic import append_bytes, disk_errors, replace_file
+from agentrl.loop.cold_start import of_trainer as run_cold_start
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import (
@@ -52,6 +55,8 @@ from agentrl.loop.resume import (
     start_over,
     write_checkpoint,
 )
+from agentrl.loop.run_dir import prepare
+from agentrl.loop.summary import summarise
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task, Trajectory
@@ -66,7 +71,9 @@ class Trainer:
 
     Args:
         config: the resolved config.
-        resume: continue from the latest checkpoint in ``config.run_dir``.
+        resume: continue from the newest good checkpoint in ``config.run_dir``.
+        overwrite: replace what ``config.run_dir`` holds (else a run directory that holds a run
+            is refused unless ``resume``: :mod:`agentrl.loop.run_dir`).
         on_step: called with each step's metrics (the CLI draws its progress bar with it).
     """
 
@@ -75,14 +82,13 @@ class Trainer:
         config: TrainConfig,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         on_step: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
         self.config = config
         self.on_step = on_step
         if resume and config.run_dir is None:
             raise ConfigError("run_dir: resume needs the run directory to continue")
-        if resume and not Path(config.run_dir or "").is_dir():
-            raise ConfigError(f"run_dir: resume needs an existing run directory: {config.run_dir}")
         # everything that can be wrong with the config fails here, before a model or a file
         import_envs(config.imports)
         self.ranks = dist_ranks.active()  # several under torchrun (agentrl.loop.ranks)
@@ -90,9 +96,20 @@ class Trainer:
         self.eval_tasks = tasks_for(config, "test")
         stamp = self.ranks.broadcast(time.strftime("%Y%m%d-%H%M%S"))  # one run dir for all
         self.run_dir = Path(config.run_dir or Path(config.out_dir) / f"{config.name}-{stamp}")
+        refused = None  # rank 0 checks and makes the run directory, before any model is built
+        if self.ranks.is_main:
+            try:
+                prepare(self.run_dir, resume=resume, overwrite=overwrite)
+            except ConfigError as e:
+                refused = str(e)
+        if self.ranks.broadcast(refused):
+            raise ConfigError(refused or "run_dir")
         self.resume = resume
         self.notice: str | None = None  # what a resume did, for the user (the CLI prints it)
-        self._checkpointed: int | None = None  # the step checkpointed last (each is written once)
+        self.step_start: tuple[int, Any] | None = None  # (cursor, RNG) as the step in flight began
+        self.updating = False  # from a step's update to its after_step: the learner moved on
+        self.saved_step: int | None = None  # the newest checkpoint written or resumed (once each)
+        self._checkpoint_time = time.perf_counter()  # train.checkpoint_every_minutes counts from it
         self.health = RunHealth(config.train)
         self.step = 0
         self.cursor = 0
@@ -110,7 +127,6 @@ class Trainer:
         local = self.ranks.world_size > 1 and not config.inference.endpoints
         self._engine_model = copy.deepcopy(self.model) if local else None
         self.learner = Learner(self.model, learner_config)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.client: InferenceClient = self._make_client()
         self.last_push: dict[str, float] = {}
         self.weight_push = (  # None: disk or local; rank 0 pushes for every rank
@@ -191,28 +207,7 @@ class Trainer:
 
     async def cold_start(self) -> dict[str, float]:
         """Supervised warm-up on demonstrated episodes of training tasks (skipped at 0 steps)."""
-        cs = self.config.cold_start
-        if cs.steps == 0:
-            return {}
-        model, push = dist_ranks.cold_start_model(self)  # several ranks: an unsharded replica
-
-        async def check() -> float:
-            await push()
-            return (await self.evaluate())["eval/success_rate"]
-
-        def progress(m: dict[str, float]) -> None:  # shown, not logged: the CLI draws it
-            if self.on_step is not None:
-                self.on_step({"step": self.step, **m})
-
-        stats = await run_cold_start(
-            model, self.make_env, self.chat, self.train_tasks, steps=cs.steps,
-            batch_size=cs.batch_size, lr=cs.lr, seed=self.config.seed, check=check,
-            check_every=cs.check_every, target=cs.target_success, on_progress=progress,
-        )  # fmt: skip
-        dist_ranks.adopt_cold_start(self.learner, model)
-        self.learner.reset_optimizer()
-        await self.sync_weights()
-        return stats
+        return await run_cold_start(self)
 
     def _shuffle_rewards(self, groups: list[Group]) -> None:
         trajs = [t for g in groups for t in g.trajectories]
@@ -225,6 +220,7 @@ class Trainer:
         """One synchronous step: roll out the next tasks' groups, then :meth:`update` on them."""
         t0 = time.perf_counter()
         self.ranks.step = self.step + 1  # for failure messages
+        self.step_start = (self.cursor, rng_state())  # a second signal may abandon this step
         tasks = self.next_tasks()
         groups = await self.ranks.run_groups(
             self.rollout,
@@ -269,6 +265,7 @@ class Trainer:
             ``time/weight_write_s`` (writing its safetensors).
         """
         metrics = {} if metrics is None else metrics
+        self.updating = True
         if self.config.advantages.shuffle_rewards:
             self._shuffle_rewards(groups)
         trajs, advs, skipped = self.training_batch(groups)
@@ -291,7 +288,9 @@ class Trainer:
         trainer_lp = getattr(self.learner, "last_trainer_logprobs", None) or []
         path = self.run_dir / "trajectories.jsonl"
         if self.ranks.is_main:
-            write_records(path, self.step, list(zip(trajs, advs, strict=True)), trainer_lp, shown)
+            with disk_errors(path):
+                trained = list(zip(trajs, advs, strict=True))
+                write_records(path, self.step, trained, trainer_lp, shown)
         if overlapped:
             try:
                 await self.rollout.interrupt(then=on_next_version)
@@ -333,13 +332,19 @@ class Trainer:
         return trajs, advs, zero_signal
 
     def save_checkpoint(self) -> Path:
-        """Write a resumable checkpoint for the current step (once: a second call is a no-op)."""
-        path = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
-        if self._checkpointed == self.step:
-            return path
-        self._checkpointed = self.step
+        """Write a resumable checkpoint for the current step (once: a second call is a no-op).
+
+        Written aside, sealed by a manifest and renamed into place; only the
+        ``train.keep_checkpoints`` newest are kept (:mod:`agentrl.loop.checkpoints`).
+        """
+        root = self.run_dir / "checkpoints"
+        if self.saved_step == self.step:
+            return root / f"step-{self.step:06d}"
         state = {"step": self.step, "cursor": self.cursor, "rng": rng_state()}
-        write_checkpoint(path, self.learner, state, self.ranks)
+        keep = self.config.train.keep_checkpoints
+        path = write_checkpoint(root, self.step, self.learner, state, self.ranks, keep=keep)
+        self.saved_step = self.step
+        self._checkpoint_time = time.perf_counter()
         return path
 
     async def load_checkpoint(self) -> bool:
@@ -349,18 +354,19 @@ class Trainer:
         exactly what an uninterrupted run had written by then; with no checkpoint they are cut
         to nothing (the run starts over) and :attr:`notice` says so.
         """
-        state = read_checkpoint(self.run_dir, self.learner, self.ranks)
+        state, skipped = read_checkpoint(self.run_dir, self.learner, self.ranks)
         if state is None:
             if self.ranks.is_main:
-                self.notice = start_over(self.run_dir)
-                log.warning("%s", self.notice)
+                self.notice = "\n".join([*skipped, start_over(self.run_dir)])
+                log.warning("%s", self.notice.splitlines()[-1])
             return False
         self.step, self.cursor = state["step"], state["cursor"]
-        self.ranks.step = self._checkpointed = self.step
+        self.ranks.step = self.saved_step = self.step
         if self.ranks.is_main:
             cut_logs(self.run_dir, self.step)
-        self.notice = f"resume: continuing {self.run_dir} from the checkpoint of step {self.step}"
-        log.info("%s", self.notice)
+        line = f"resume: continuing {self.run_dir} from the checkpoint of step {self.step}"
+        log.info("%s", line)
+        self.notice = "\n".join([*skipped, line])
         await self.sync_weights()
         return True
 
@@ -371,8 +377,7 @@ class Trainer:
         if not self.ranks.is_main:  # rank 0 writes the run's files and progress
             return
         rec = {"step": self.step, "time": time.time(), **metrics}
-        with (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_bytes(self.run_dir / "metrics.jsonl", (json.dumps(rec) + "\n").encode())
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
@@ -390,22 +395,33 @@ class Trainer:
         """The one schedule of both loops, after each step; returns whether to stop.
 
         Evaluates every ``eval_every`` steps (not at the last: the run's end evaluates), logs
-        the step, checkpoints every ``checkpoint_every`` steps, and stops at ``train.steps``
-        or when ``train.max_wall_s`` has passed.
+        the step, checkpoints every ``checkpoint_every`` steps or ``checkpoint_every_minutes``,
+        and stops at ``train.steps`` or when ``train.max_wall_s`` has passed.
 
         Raises:
             TrainingError: too many episodes failed for too long (:class:`RunHealth`).
+            Stopped: a signal asked the run to stop (:mod:`agentrl.loop.stop`); this step was
+                checkpointed first.
         """
         cfg = self.config.train
         if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
             metrics.update(await self.evaluate())
         self.log(metrics)
         self.health.check(self.step, metrics)
-        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+        minutes = cfg.checkpoint_every_minutes
+        due = bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or bool(
+            minutes and time.perf_counter() - self._checkpoint_time >= 60 * minutes
+        )
+        # rank 0's clock and signals decide for all
+        signum, due, late = self.ranks.broadcast((stop.requested(), due, self.out_of_time(t_start)))
+        if due or signum is not None:
             self.save_checkpoint()
+        self.updating = False
+        if signum is not None:
+            raise stop.Stopped(self.step, signum, self.run_dir)
         if self.step >= cfg.steps:
             return True
-        if self.ranks.broadcast(self.out_of_time(t_start)):  # rank 0's clock decides for all
+        if late:
             log.info("stopping at step %d: max_wall_s reached", self.step)
             return True
         return False
@@ -428,9 +444,10 @@ class Trainer:
             log.warning("%s; nothing to do", self.notice)
             return {**finished, "already_finished": True}
         if self.ranks.is_main:
-            dump_config(self.config, self.run_dir / "config.yaml")
+            config_yaml = yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False)
+            replace_file(self.run_dir / "config.yaml", config_yaml)
         try:
-            with gil_switch_interval(self.config.train.gil_switch_interval_ms):
+            with gil_switch_interval(self.config.train.gil_switch_interval_ms), stop.deferred():
                 return await self._run(t_start)
         finally:
             if self.weight_push is not None:
@@ -453,46 +470,27 @@ class Trainer:
             start = await self.evaluate()
             start["cold_start_s"] = time.perf_counter() - t
             if self.ranks.is_main:
-                state_path.write_text(json.dumps(start))
+                replace_file(state_path, json.dumps(start))
             self.log({**cold, **start})
+        if (signum := self.ranks.broadcast(stop.requested())) is not None:
+            self.save_checkpoint()  # keeps a cold start (a no-op right after a resume)
+            raise stop.Stopped(self.step, signum, self.run_dir)
         t_rl = time.perf_counter()
         if self.step < cfg.steps and not self.ranks.broadcast(self.out_of_time(t_start)):
             # one schedule; the source of steps is the synchronous loop or the overlapped one
             pipeline = Pipeline(self) if cfg.max_staleness > 0 else None
             source = pipeline.steps() if pipeline else self._synchronous_steps()
-            async with aclosing(source) as steps:
-                async for metrics in steps:
-                    if await self.after_step(metrics, t_start):
-                        break
+            try:
+                async with aclosing(source) as steps:
+                    async for metrics in steps:
+                        if await self.after_step(metrics, t_start):
+                            break
+            except asyncio.CancelledError:  # a second signal: abandon the step in flight
+                stop.checkpoint_abandoned(self)
+                raise
             if pipeline is not None:
                 log.info("overlapped loop: %s", pipeline.stats)
         end = await self.evaluate()
         self.log(end)
         self.save_checkpoint()
-        return self._summarise(start, end, t_start, t_rl)
-
-    def _summarise(
-        self, start: dict[str, float], end: dict[str, float], t_start: float, t_rl: float
-    ) -> dict[str, Any]:
-        summary = {
-            "success_start": start["eval/success_rate"],
-            "success_end": end["eval/success_rate"],
-            "steps": self.step,
-            "wall_s": time.perf_counter() - t_start,
-            "rl_wall_s": time.perf_counter() - t_rl,
-            "cold_start_s": start.get("cold_start_s", 0.0),
-            **{k: end[f"eval/{k}"] for k in ("turns_mean", "tool_calls_mean", "tool_use_frac")},
-            "env": self.config.env.id,
-            "loss": self.learner.config.loss,
-            "run_dir": str(self.run_dir),
-        }
-        if not self.ranks.is_main:
-            return summary
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        try:
-            from agentrl.report.plots import plot_run
-
-            plot_run(self.run_dir)
-        except Exception:  # a plot must never lose a finished run
-            log.warning("plotting failed", exc_info=True)
-        return summary
+        return summarise(self, start, end, t_start, t_rl)
