@@ -94,6 +94,18 @@ class Floods(_Prompted, Env):
         return StepResult([Message(role="user", content="x" * size)])
 
 
+class ThreadBlocks(_Prompted, Env):
+    """An async env whose step hands a blocking call to asyncio's default threads, on ``hang``."""
+
+    async def reset(self, task, *, seed=None):
+        return self.first(task)
+
+    async def step(self, action):
+        if self.task.id.startswith("hang"):
+            await asyncio.to_thread(RELEASE.wait)
+        return StepResult(reward=1.0, terminated=True)
+
+
 def tasks(*ids: str) -> list[Task]:
     return [Task(id=i, prompt="p") for i in ids]
 
@@ -307,3 +319,17 @@ def test_a_failed_process_exits_even_when_threads_are_stuck(case: str) -> None:
     )
     assert out.returncode == 1 and time.perf_counter() - t0 < 10, out.stderr
     assert out.stderr.startswith("agentrl: error: stopping: the env hangs (exiting: threads stuck")
+
+
+async def test_an_env_filling_the_default_threads_does_not_stall_generation(engine) -> None:
+    # 34 calls blocked in asyncio.to_thread take every default thread; the engine decodes on
+    # threads of its own, so the other episodes still generate and finish in time
+    hang = [f"hang{i}" for i in range(17)]
+    ro = RolloutEngine(engine, engine.tokenizer, config(env_timeout_s=0.5, episode_timeout_s=60))
+    t0 = time.monotonic()
+    groups = await asyncio.wait_for(ro.run_groups(ThreadBlocks, tasks(*hang, "ok")), 30)
+    [ok] = await asyncio.wait_for(ro.run_groups(ThreadBlocks, tasks("ok2")), 30)
+    by = {g.task.id: g.trajectories for g in [*groups, ok]}
+    assert all(t.error is None and t.reward == 1.0 for t in by["ok"] + by["ok2"])
+    assert all("EnvTimeout" in (t.error or "") for k in hang for t in by[k])
+    assert time.monotonic() - t0 < 20

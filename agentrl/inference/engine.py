@@ -1,7 +1,7 @@
 """The embedded inference engine: a transformers causal LM behind the ``InferenceClient`` protocol.
 
 - **One scheduler.** An asyncio task owns every request's state (``_engine_ops.Batcher``); each
-  step's torch work runs in a worker thread (``asyncio.to_thread``) while the event loop stays
+  step's torch work runs on the engine's own threads (``worker.py``) while the event loop stays
   free. State changes on the event loop only, between steps. The requests a step finishes get
   their results once the next step is launched: their callers' Python held the GIL while the
   worker launched it (on an H100, idle card at a finishing cohort: 37-45 ms, now 18-25 ms).
@@ -42,6 +42,7 @@ from agentrl.inference.paged_batcher import build_paged
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.routing_records import RoutingRecorder, records_routing, refusal
 from agentrl.inference.sglang_api import request_problem, warn_if_truncating
+from agentrl.inference.worker import in_worker
 from agentrl.kernels.packed_body import unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class LocalEngine:
             ServerError: the directory is missing or its weights do not fit the model.
         """
         try:
-            state_dict = await asyncio.to_thread(read_safetensors_dir, model_path)
+            state_dict = await in_worker(read_safetensors_dir, model_path)
         except Exception as exc:  # missing dir, unreadable or corrupt files: the caller's input
             raise ServerError(f"weight update failed: {exc}", endpoint="local", status=400) from exc
         await self.update_weights_from_state_dict(state_dict, weight_version)
@@ -325,7 +326,7 @@ class LocalEngine:
                     if repeat := self._loader.repeats(state_dict):
                         self._load(state_dict, repeat)
                     else:
-                        await asyncio.to_thread(self._load, state_dict, repeat)
+                        await in_worker(self._load, state_dict, repeat)
                     self._batcher.weights_changed()
                     if weight_version is not None:
                         self._version = int(weight_version)
@@ -416,7 +417,7 @@ class LocalEngine:
         self._ensure_started()
         self.check_request(input_ids, SamplingParams(max_new_tokens=0), rid=None)
         async with self._lock:
-            return await asyncio.to_thread(self._runner.score, list(input_ids), temperature or 1.0)
+            return await in_worker(self._runner.score, list(input_ids), temperature or 1.0)
 
     # ---- request bookkeeping (event loop only) ------------------------------------------------
 
@@ -487,7 +488,7 @@ class LocalEngine:
                     if plan is None:
                         break
                     try:
-                        tokens, logprobs = await asyncio.to_thread(batcher.compute, plan, launched)
+                        tokens, logprobs = await in_worker(batcher.compute, plan, launched)
                         batcher.deliver()  # if the step never said it launched
                         batcher.apply(plan, tokens, logprobs)
                     except Exception as exc:  # a failed step fails its requests, not the engine
