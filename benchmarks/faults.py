@@ -3,9 +3,14 @@
 Real parts only: ``agentrl serve --model tiny`` subprocesses on loopback, real SIGKILL / SIGSTOP,
 real ``agentrl train`` subprocesses killed and resumed. Per scenario it prints the units
 expected (episodes, or logged training steps), written, duplicated, lost, failed by cause, and
-whether it hung; the last line is JSON ``{"scenarios", "lost", "duplicated", "hung", ...}``.
+whether it hung; the last line is JSON ``{"scenarios", "lost", "duplicated", "hung",
+"server_5xx", "unauth_accepted", "forged_rewards", "max_rss_growth_mb", ...}``.
 
-    python benchmarks/faults.py [--tasks 16] [--group-size 4] [--skip-resume]
+    python benchmarks/faults.py [--tasks 16] [--group-size 4] [--only envs,hostile,...]
+
+Groups (``--only``, default all): ``envs`` (misbehaving envs), ``server_faults`` (servers
+killed, frozen, restarted), ``hostile`` (issue 43's hostile requests against a keyed server:
+``_faults_server.py``), ``resume`` (``agentrl train`` killed and resumed).
 
 Failed episodes are written (as error records), so they are not lost: a scenario loses an
 episode only if no record of it reaches the JSONL file.
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from _faults_server import hostile_scenarios, hostile_table
 
 from agentrl.env import Env, StepResult, make
 from agentrl.inference.client import SGLangClient
@@ -127,7 +133,7 @@ async def rollout_scenario(
     args: argparse.Namespace,
     fault: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
-    generated = make("arith-v0").sample_tasks(args.tasks, seed=1)  # type: ignore[attr-defined]
+    generated = make("arith-v0").sample_tasks(args.tasks, seed=1)
     tasks = [t.model_copy(update={"id": f"t-{i}"}) for i, t in enumerate(generated)]
     cfg = RolloutConfig(
         group_size=args.group_size,
@@ -175,15 +181,21 @@ def _after(delay_s: float, action: Callable[[], Any]) -> Callable[[], Awaitable[
     return fault
 
 
-async def server_scenarios(tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+async def server_scenarios(
+    tmp: Path, args: argparse.Namespace, envs: bool = True, faults: bool = True
+) -> dict[str, dict[str, Any]]:
+    """Misbehaving envs (``envs``) and killed, frozen, restarted servers (``faults``)."""
     results: dict[str, dict[str, Any]] = {}
-    a, b = Server(), Server()
+    a = Server()
+    b = Server() if faults else a
     a.wait_ready(), b.wait_ready()
     try:
-        for mode in ("raise", "garbage", "hang_step", "hang_close"):
+        for mode in ("raise", "garbage", "hang_step", "hang_close") if envs else ():
             results[f"env {mode}"] = await rollout_scenario(
                 tmp / f"{mode}.jsonl", [a.url], mode, args
             )
+        if not faults:
+            return results
         results["server killed"] = await rollout_scenario(
             tmp / "killed.jsonl", [a.url, b.url], None, args, _after(1.0, b.stop)
         )
@@ -310,27 +322,59 @@ def resume_scenarios(tmp: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
+GROUPS = ("envs", "server_faults", "hostile", "resume")
+
+
+def run_groups(only: list[str], tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The scenarios of the groups in ``only`` (see the module docstring)."""
+    results: dict[str, dict[str, Any]] = {}
+    if "envs" in only or "server_faults" in only:
+        results |= asyncio.run(
+            server_scenarios(tmp, args, envs="envs" in only, faults="server_faults" in only)
+        )
+    if "hostile" in only:
+        results |= asyncio.run(hostile_scenarios(tmp))
+    if "resume" in only:
+        results |= resume_scenarios(tmp)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--skip-resume", action="store_true")
+    p.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
+    p.add_argument("--skip-resume", action="store_true", help="same as leaving resume out")
     args = p.parse_args()
+    only = [g.strip() for g in args.only.split(",") if g.strip()]
+    if unknown := sorted(set(only) - set(GROUPS)):
+        p.error(f"--only: unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
+    only = [g for g in only if not (args.skip_resume and g == "resume")]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="agentrl-faults-") as tmp:
-        results = asyncio.run(server_scenarios(Path(tmp), args))
-        if not args.skip_resume:
-            results.update(resume_scenarios(Path(tmp)))
-    print(f"{'scenario':<28} {'expected':>8} {'written':>8} {'dup':>4} {'lost':>4}  hung  failed")
+        results = run_groups(only, Path(tmp), args)
+    print(f"{'scenario':<46} {'expected':>8} {'written':>8} {'dup':>4} {'lost':>4}  hung  failed")
     for name, r in results.items():
         failed = ", ".join(f"{k} {v}" for k, v in sorted(r["failed"].items())) or "-"
-        print(f"{name:<28} {r['expected']:>8} {r['written']:>8} {r['duplicated']:>4} "
+        print(f"{name:<46} {r['expected']:>8} {r['written']:>8} {r['duplicated']:>4} "
               f"{r['lost']:>4}  {'yes' if r['hung'] else 'no':<4}  {failed}")  # fmt: skip
+    if "hostile" in only:
+        print("\n".join(["", *hostile_table(results), ""]))
+    rows = [q for r in results.values() for q in r.get("requests", [])]
     summary = {
         "scenarios": len(results),
+        "groups": only,
         "lost": sum(r["lost"] for r in results.values()),
         "duplicated": sum(r["duplicated"] for r in results.values()),
         "hung": sum(bool(r["hung"]) for r in results.values()),
+        "server_5xx": sum(r.get("server_5xx", 0) for r in results.values()),
+        "unauth_accepted": sum(r.get("unauth_accepted", 0) for r in results.values()),
+        "forged_rewards": sum(r.get("forged_rewards", 0) for r in results.values()),
+        "max_rss_growth_mb": max(
+            (r.get("rss_growth_mb", 0.0) for r in results.values()), default=0.0
+        ),  # fmt: skip
+        "hostile_requests": len(rows),
+        "hostile_unexpected": sum(bool(q["faults"]) for q in rows),
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": f"{platform.machine()} {os.cpu_count()} cores (CPU, loopback)",
     }

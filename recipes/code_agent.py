@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     ap.add_argument("--endpoint", action="append", default=[], help="SGLang URL (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue the run in run_dir=...")
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace the run that run_dir=... holds"
+    )
     ap.add_argument("--import", dest="imports", action="append", default=[],
                     help="a module or .py file that registers envs (repeatable)")
     # any other argument is a config override: --section.key=value (or section.key=value)
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"sandbox isolation: {default_sandbox().isolation}")
 
     # ---------------------------------------------------------------- trainer
-    run_training(config, resume=args.resume)
+    run_training(config, resume=args.resume, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

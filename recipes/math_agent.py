@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--endpoint", action="append", default=[], help="SGLang URL (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue the run in run_dir=...")
     ap.add_argument(
+        "--overwrite", action="store_true", help="replace the run that run_dir=... holds"
+    )
+    ap.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         start_pool()
 
     # ---------------------------------------------------------------- trainer
-    run_training(config, resume=args.resume)
+    run_training(config, resume=args.resume, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":
