@@ -10,6 +10,8 @@ attempt (``format_error``) and, if it is the last, earns 0.
 Per-turn info, for per-token shaping: ``tests_passed``/``tests_failed`` on the public tests, and
 ``fixed``/``broke``, the public tests that went fail->pass and pass->fail since the previous
 attempt (the first attempt is compared with nothing passing; a format error passes nothing).
+``verifier_error`` (only when set) says why the verifier could not judge an answer (a broken
+sandbox): the answer then earns 0, as a failed one does, and the reason is logged.
 
 Built-in tasks (``sample_tasks``): ``data/code_tasks.jsonl``, 26 small stdin/stdout and function
 problems with a fixed train/test split (20/6), gold solutions checked on first use.
@@ -99,7 +101,7 @@ class CodeEnv(Env):
         code = extract_code(action)
         report = "Your answer has no fenced code block. Answer with the whole program in one "
         report += "```python ... ``` block."
-        passing = [False] * len(self.public)
+        passing, error = [False] * len(self.public), ""
         if code is not None and self.public:
             result = await score_async(
                 code,
@@ -109,7 +111,8 @@ class CodeEnv(Env):
                 sandbox=self.sandbox,
             )
             passing, report = [t.passed for t in result.tests], result.report(what="public tests")
-        info = {
+            error = result.error
+        info: dict[str, object] = {
             "attempt": self.attempt,
             "format_error": code is None,
             "tests_passed": sum(passing),
@@ -117,6 +120,8 @@ class CodeEnv(Env):
             "fixed": sum(now and not was for now, was in zip(passing, self.passing, strict=True)),
             "broke": sum(was and not now for now, was in zip(passing, self.passing, strict=True)),
         }
+        if error:
+            info["verifier_error"] = error
         self.passing = passing
         if not (last or (code is not None and all(passing))):
             left = self.max_attempts - self.attempt
@@ -134,6 +139,8 @@ class CodeEnv(Env):
             sandbox=self.sandbox,
         )
         info |= {"hidden_passed": final.num_passed, "hidden_status": final.status}
+        if final.error:
+            info["verifier_error"] = final.error
         return StepResult([], reward=final.score, terminated=True, info=info)
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ from agentrl.envs.code import CodeEnv
 from agentrl.errors import EnvError
 from agentrl.types import Task
 from agentrl.verifiers.code_tasks import load_humaneval
+from agentrl.verifiers.sandbox import Sandbox
 
 SUM = Task(
     id="sum",
@@ -87,6 +88,14 @@ async def test_a_program_that_hangs_times_out_and_is_reported() -> None:
     )
     r = await env.step(answer("while True:\n    pass\n"))
     assert r.terminated and r.reward == 0.0 and r.info["hidden_status"] == "timeout"
+
+
+async def test_a_broken_sandbox_pays_nothing_and_says_why() -> None:
+    env = CodeEnv(max_attempts=1, sandbox=Sandbox(isolation="rlimits", python="/bin/false"))
+    await env.reset(SUM)
+    r = await env.step(answer("a, b = map(int, input().split())\nprint(a + b)\n"))
+    assert r.terminated and r.reward == 0.0 and r.info["hidden_status"] == "verifier_error"
+    assert r.info["verifier_error"].startswith("sandbox failed: sandbox cannot run ")
 
 
 async def test_function_task_and_humaneval_task() -> None:

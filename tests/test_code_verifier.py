@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +15,7 @@ from agentrl.errors import ConfigError, VerifierError
 from agentrl.verifiers.code import (
     AssertTest,
     IOTest,
+    _assemble,
     extract_code,
     normalise_output,
     score,
@@ -27,8 +30,9 @@ from agentrl.verifiers.code_tasks import (
     tasks_from_records,
     validate_solutions,
 )
-from agentrl.verifiers.sandbox import Sandbox
+from agentrl.verifiers.sandbox import ExecResult, Sandbox
 
+REPO = Path(__file__).resolve().parents[1]
 DOUBLE = "n = int(input())\nprint(n * 2)\n"
 
 
@@ -80,7 +84,7 @@ def test_assert_cases_share_one_run_with_per_test_outcomes(box: Sandbox) -> None
     ("program", "why"),
     [
         ("import sys\nsys.exit(0)\n", "the program failed: SystemExit: 0"),
-        ("import os\nos._exit(0)\n", "the program exited before the test ran"),
+        ("import os\nos._exit(0)\n", "the program failed: it ended (exit code 0)"),
         ("def f(:\n    pass\n", "the program failed: SyntaxError"),
         ("while True:\n    pass\n", "the program failed: took longer than 0.5s"),
     ],
@@ -205,3 +209,150 @@ def test_all_humaneval_canonical_solutions_pass_and_a_broken_one_fails(box: Sand
     assert validate_solutions(
         [first.model_copy(update={"data": {**first.data, "solution": broken}})], sandbox=box
     ).failed == ("HumanEval/0",)
+
+
+# ----------------------------------------------------------------------------- forgery
+
+
+def _code_bench() -> Any:
+    """benchmarks/_code_bench.py, which holds the forged programs (benchmarks/faults.py counts
+    them too)."""
+    spec = importlib.util.spec_from_file_location("_code_bench", REPO / "benchmarks/_code_bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "rlimits"])
+def test_forged_programs_earn_nothing_at_either_isolation(isolation: str) -> None:
+    # 21 programs print or write the result lines (also with the pre-fix harness's nonce, read
+    # from the stack), exit early, kill, trace or signal the checker, shadow builtins, return
+    # objects whose __eq__ says yes, or write protocol junk; an honest program scores 1 first.
+    if isolation == "namespaces":
+        try:
+            assert Sandbox(isolation="namespaces").isolation == "namespaces"
+        except VerifierError as e:
+            pytest.skip(f"namespaces isolation is not available here: {e}")
+    bench = _code_bench()
+    found = bench.forged_rewards(isolation)
+    assert found["isolation"] == isolation and found["forgeries"] == len(bench.FORGERIES) >= 21
+    assert found["forged_rewards"] == 0, found["paid"]
+
+
+def test_plain_values_cross_and_the_programs_objects_stay_handles(box: Sandbox) -> None:
+    program = """
+import math, this
+LIMIT = 10
+def values():
+    return (1, 2.5), {3, 4}, {(1, 2): [b'x', bytearray(b'y')]}, 2 ** 200, -1j, float('nan'), None
+def evens(n):
+    return (i for i in range(n) if i % 2 == 0)
+def sort_in_place(xs, *, reverse=False):
+    xs.sort(reverse=reverse)
+def positive(x):
+    if x <= 0:
+        raise ValueError(f"not positive: {x}")
+    return x
+class Counter:
+    def __init__(self, start):
+        self.n = start
+    def bump(self):
+        self.n += 1
+        return self.n
+def apply(f, x):
+    return f(x)
+"""
+    tests = [
+        "t, s, d, big, c, nan, none = values()\n"
+        "assert t == (1, 2.5) and s == {3, 4} and d == {(1, 2): [b'x', bytearray(b'y')]}\n"
+        "assert big == 2 ** 200 and c == -1j and nan != nan and none is None",
+        "assert list(evens(7)) == [0, 2, 4, 6]",
+        "xs = [3, 1, 2]\nsort_in_place(xs, reverse=True)\nassert xs == [3, 2, 1]",
+        "try:\n    positive(-2)\nexcept ValueError as e:\n    assert 'not positive: -2' in str(e)\n"
+        "else:\n    raise AssertionError('no ValueError')",
+        "c = Counter(5)\nassert c.bump() == 6 and c.bump() == 7 and c.n == 7",
+        "assert math.isqrt(LIMIT) == 3 and LIMIT == 10 and 'this' not in dir()",
+        "assert Counter(1) == 1",  # an object of the program compares to nothing
+        # the test's functions do not cross; what the checker prints goes nowhere
+        "print('[6, \"passed\", \"\", 0.0]', flush=True)\napply(lambda x: x, 1)",
+    ]
+    r = score(program, [AssertTest(t) for t in tests], sandbox=box)
+    assert [t.status for t in r.tests] == ["passed"] * 6 + ["runtime_error"] * 2, r.tests
+    assert r.tests[6].detail.startswith("TypeError: the program gave a Counter object where tests")
+    assert r.tests[7].detail.startswith("TypeError: cannot pass a function to the program")
+
+
+@pytest.mark.parametrize(
+    "body", ["import os\n    os._exit(0)", "raise SystemExit(0)", "raise KeyboardInterrupt"]
+)
+def test_ending_the_program_never_passes_a_test_that_expects_an_error(
+    box: Sandbox, body: str
+) -> None:
+    test = "try:\n    add(None, 1)\nexcept Exception:\n    pass\nelse:\n    raise AssertionError"
+    assert score("def add(a, b):\n    return a + b\n", [AssertTest(test)], sandbox=box).score == 1
+    r = score(f"def add(a, b):\n    {body}\n", [AssertTest(test)], sandbox=box)
+    assert r.score == 0.0 and r.status == "runtime_error", r.tests
+
+
+def test_a_test_that_hangs_or_ends_the_program_does_not_take_the_next_ones(box: Sandbox) -> None:
+    program = (
+        "import os\ndef spin():\n    while True:\n        pass\ndef leave():\n    os._exit(3)\n"
+        "def add(a, b):\n    return a + b\nprint('loaded', flush=True)\n"
+    )
+    tests = ["assert add(1, 1) == 2", "spin()", "assert add(2, 2) == 4", "leave()", "add(3, 3)"]
+    start = time.monotonic()
+    r = score(program, [AssertTest(t) for t in tests], timeout_s=0.3, sandbox=box)
+    assert [t.status for t in r.tests] == ["passed", "timeout", "passed", "runtime_error", "passed"]
+    assert r.tests[3].detail == "the program ended during the test (exit code 3) (line 1: leave())"
+    assert r.stdout == "loaded\n" * 3  # started again after each
+    assert time.monotonic() - start < 3
+
+
+# ----------------------------------------------------------------------------- never raises
+
+
+def _result(stdout: str, status: str = "ok", stderr: str = "") -> ExecResult:
+    return ExecResult(status, 0, stdout, stderr, 0.01, "rlimits")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "stdout",
+    [
+        "",
+        "\x00\xff\ufffd binary junk \ud800\n" * 100,
+        "[0, 'passed', '', 0.0]\n",  # the pre-fix format
+        '[0,"passed","",0.0',  # cut short
+        '[0,"passed","",NaN]\n[1,"bogus","",0.0]\n[7,"passed","",0.0]\n[true,"passed","",0]\n',
+        "[" * 100_000 + "\n",  # nested past the JSON parser's recursion limit
+        '[0,"passed","' + "x" * (1 << 20) + '",0.0]\n',  # a huge line
+        '["out", 1, 2]\n["error", null]\n{"a": 1}\n',
+    ],
+)
+def test_malformed_harness_output_is_a_failed_test_never_an_exception(stdout: str) -> None:
+    tests = [AssertTest("assert True"), AssertTest("assert 1")]
+    r = _assemble(tests, [_result(stdout)], "fraction")
+    assert r.score == 0.0 and all(t.status == "runtime_error" for t in r.tests), r.tests
+    r = _assemble(tests, [_result(stdout, "sandbox_error", "bwrap: boom")], "all")
+    assert (r.score, r.status) == (0.0, "verifier_error") and "bwrap: boom" in r.error
+
+
+def test_a_sandbox_that_cannot_run_scores_zero_with_the_reason(tmp_path: Path) -> None:
+    broken = Sandbox(isolation="rlimits", python="/bin/false")  # fails its self-test
+    for tests in ([IOTest("1", "2")], [AssertTest("assert True")]):
+        r = score(DOUBLE, tests, sandbox=broken)
+        assert (r.score, r.status, r.isolation) == (0.0, "verifier_error", None)
+        assert r.error == f"sandbox failed: sandbox cannot run {broken.python}"
+        assert r.tests[0].detail == r.error[:300]
+    r = asyncio.run(score_async(DOUBLE, [IOTest("1", "2")], sandbox=broken))
+    assert r.status == "verifier_error"
+    gold = {"prompt": "p", "solution": DOUBLE, "hidden_tests": [{"stdin": "1", "stdout": "2"}]}
+    with pytest.raises(VerifierError, match="cannot check gold solutions: sandbox failed"):
+        tasks_from_records([gold], sandbox=broken)
+
+
+def test_an_output_flood_is_no_part_of_the_verdict(box: Sandbox) -> None:
+    flood = "import sys\nsys.stdout.write('z' * (8 << 20))\nsys.stdout.buffer.write(b'\\xff')\n"
+    r = score(flood + "def add(a, b):\n    return a + b\n", [AssertTest("assert add(1, 2) == 3")],
+              sandbox=box)
+    assert r.score == 1.0 and r.stdout == "z" * 4096

@@ -22,7 +22,6 @@ from agentrl.verifiers.sandbox import Sandbox, default_sandbox
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, slots=True)
 class TaskFields:
     """Names of the record fields that hold each part of a task (data sets name them freely)."""
@@ -195,7 +194,11 @@ def load_humaneval(*, validate: bool = True, sandbox: Sandbox | None = None) -> 
 def validate_solutions(
     tasks: Sequence[Task], *, sandbox: Sandbox | None = None, timeout_s: float = 10.0
 ) -> GoldReport:
-    """Score every gold solution on its public and hidden tests, in parallel; log the count."""
+    """Score every gold solution on its public and hidden tests, in parallel; log the count.
+
+    Raises:
+        VerifierError: the sandbox cannot run programs (so no solution could be judged).
+    """
     box = sandbox or default_sandbox()
     gold = [t for t in tasks if t.data.get("solution")]
 
@@ -203,10 +206,10 @@ def validate_solutions(
         tests = parse_tests(t.data.get("public_tests")) + parse_tests(t.data.get("hidden_tests"))
         if not tests:
             return True
-        return (
-            score(t.data["solution"], tests, mode="all", timeout_s=timeout_s, sandbox=box).score
-            == 1.0
-        )
+        r = score(t.data["solution"], tests, mode="all", timeout_s=timeout_s, sandbox=box)
+        if r.error:  # not the solution's fault: no gold solution could pass
+            raise VerifierError(f"cannot check gold solutions: {r.error}")
+        return r.score == 1.0
 
     with ThreadPoolExecutor(box.max_concurrency, thread_name_prefix="gold") as pool:
         ok = list(pool.map(passes, gold))

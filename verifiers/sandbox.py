@@ -291,15 +291,17 @@ class Sandbox:
                 return "namespaces"
             if self.choice == "namespaces":
                 raise VerifierError("namespaces isolation unavailable (bwrap missing or failing)")
-        if not works("rlimits") and self._drop:
+        ok = works("rlimits")
+        if not ok and self._drop:
             self._drop = False
             logger.warning(
                 "sandbox: cannot run %s as an unprivileged uid; running as root, so "
                 "process limits do not apply",
                 self.python,
             )
-            if not works("rlimits"):
-                raise VerifierError(f"sandbox cannot run {self.python}")
+            ok = works("rlimits")
+        if not ok:  # also on a second probe, once the first gave up the unprivileged uid
+            raise VerifierError(f"sandbox cannot run {self.python}")
         logger.warning("sandbox: rlimits only (no namespaces): network and files not isolated")
         return "rlimits"
 
