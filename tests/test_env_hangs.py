@@ -327,8 +327,11 @@ async def test_an_env_filling_the_default_threads_does_not_stall_generation(engi
     hang = [f"hang{i}" for i in range(17)]
     ro = RolloutEngine(engine, engine.tokenizer, config(env_timeout_s=0.5, episode_timeout_s=60))
     t0 = time.monotonic()
-    groups = await asyncio.wait_for(ro.run_groups(ThreadBlocks, tasks(*hang, "ok")), 30)
-    [ok] = await asyncio.wait_for(ro.run_groups(ThreadBlocks, tasks("ok2")), 30)
+    try:
+        groups = await asyncio.wait_for(ro.run_groups(ThreadBlocks, tasks(*hang, "ok")), 30)
+        [ok] = await asyncio.wait_for(ro.run_groups(ThreadBlocks, tasks("ok2")), 30)
+    finally:
+        RELEASE.set()  # before the loop closes: it waits for its default threads
     by = {g.task.id: g.trajectories for g in [*groups, ok]}
     assert all(t.error is None and t.reward == 1.0 for t in by["ok"] + by["ok2"])
     assert all("EnvTimeout" in (t.error or "") for k in hang for t in by[k])

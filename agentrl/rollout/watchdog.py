@@ -58,7 +58,10 @@ def stop_process(message: str, stack: str) -> None:
 
 def _exit_now(message: str) -> None:
     sys.stdout.flush()
-    print(f"agentrl: error: {message}", file=sys.stderr, flush=True)
+    tqdm = sys.modules.get("tqdm")
+    drawing = tqdm is not None and bool(getattr(tqdm.tqdm, "_instances", None))
+    # a progress bar's line has no newline yet: the error starts a line of its own
+    print(f"{chr(10) if drawing else ''}agentrl: error: {message}", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -194,7 +197,11 @@ def guard_exit(message: str, grace_s: float = EXIT_GRACE_S) -> None:
             since = since or time.monotonic()
             if time.monotonic() - since >= grace_s:
                 me = threading.get_ident()
-                stuck = [t.name for t in threading.enumerate() if t.ident not in (main, me)]
+                stuck = [  # the threads that hold the process: not daemons
+                    t.name
+                    for t in threading.enumerate()
+                    if t.ident not in (main, me) and not t.daemon
+                ]
                 shown = ", ".join(stuck[:5]) + (" ..." if len(stuck) > 5 else "")
                 _exit_now(f"{message.splitlines()[0]} (exiting: threads stuck: {shown})")
 
