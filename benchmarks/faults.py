@@ -10,7 +10,10 @@ whether it hung; the last line is JSON ``{"scenarios", "lost", "duplicated", "hu
 
 Groups (``--only``, default all): ``envs`` (misbehaving envs), ``server_faults`` (servers
 killed, frozen, restarted), ``hostile`` (issue 43's hostile requests against a keyed server:
-``_faults_server.py``), ``resume`` (``agentrl train`` killed and resumed).
+``_faults_server.py``), ``resume`` (``agentrl train`` killed at each phase and resumed),
+``runs`` (kills at ``--seeds`` seeded instants of a log cut and of a checkpoint write, eight
+checkpoint corruptions resumed, envs that block: ``_faults_runs.py``), ``verifier`` (forged
+programs against the code verifier: ``_code_bench.py``).
 
 Failed episodes are written (as error records), so they are not lost: a scenario loses an
 episode only if no record of it reaches the JSONL file.
@@ -35,7 +38,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
+from _code_bench import forged_rewards
+from _faults_runs import resume_scenarios, run_scenarios, train_reference
 from _faults_server import hostile_scenarios, hostile_table
 
 from agentrl.env import Env, StepResult, make
@@ -226,103 +230,7 @@ async def server_scenarios(
     return results
 
 
-# ---- kill and resume ---------------------------------------------------------------------------
-
-
-def train_config(run_dir: Path) -> dict[str, Any]:
-    return {
-        "run_dir": str(run_dir),
-        "seed": 3,
-        "env": {"id": "arith-v0", "task_kwargs": {"digits": 1}, "num_eval_tasks": 8},
-        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 4, "max_total_tokens": 48},
-        "cold_start": {"steps": 20, "lr": 2e-3, "batch_size": 16},
-        "learner": {"lr": 1e-4},
-        "train": {"steps": 4, "tasks_per_step": 4, "eval_every": 0, "checkpoint_every": 2,
-                  "max_staleness": 0},
-    }  # fmt: skip
-
-
-def train(run_dir: Path, resume: bool, kill_when: Callable[[Path], bool] | None) -> str:
-    """Run ``agentrl train``; SIGKILL it once ``kill_when(run_dir)``: "killed", "ok", "error"
-    or "hung"."""
-    config = run_dir.parent / f"{run_dir.name}.yaml"
-    config.write_text(yaml.safe_dump(train_config(run_dir)))
-    cmd = [sys.executable, "-m", "agentrl.cli", "train", str(config)]
-    cmd += ["--resume"] if resume else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + HANG_S
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            return "hung"
-        if kill_when is not None and kill_when(run_dir):
-            proc.kill()
-            proc.wait()
-            return "killed"
-        time.sleep(0.02)
-    return "ok" if proc.returncode == 0 else "error"
-
-
-def logged_steps(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
-    return [r for r in lines if "rollout/reward_mean" in r]
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints" / "latest").exists()
-
-
-def _steps(run_dir: Path) -> list[dict[str, Any]]:
-    skip = ("time", "perf/", "rollout/generate_s")
-    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in logged_steps(run_dir)]
-
-
-def resume_scenarios(tmp: Path) -> dict[str, dict[str, Any]]:
-    """Kill ``agentrl train`` at each phase, resume it, compare with an uninterrupted run."""
-    ref = tmp / "reference"
-    train(ref, False, None)
-    want = _steps(ref)
-    phases: dict[str, Callable[[Path], bool] | None] = {
-        "kill in cold start": lambda d: (
-            (d / "config.yaml").exists() and not (d / "summary_state.json").exists()
-        ),
-        "kill before 1st checkpoint": lambda d: len(logged_steps(d)) >= 1,
-        "kill after a checkpoint": lambda d: len(logged_steps(d)) >= 3 and has_checkpoint(d),
-        "resume a finished run": None,
-    }
-    results: dict[str, dict[str, Any]] = {}
-    for name, when in phases.items():
-        run_dir = tmp / name.replace(" ", "_")
-        first = train(run_dir, False, when)
-        log = run_dir / "metrics.jsonl"
-        before = log.read_text() if log.exists() else ""
-        second = train(run_dir, True, None)
-        got = _steps(run_dir)
-        steps = collections.Counter(r["step"] for r in got)
-        failed: dict[str, int] = {}
-        if got != want:
-            failed["not_bitwise_equal"] = 1
-        if second != "ok":
-            failed[f"resume_{second}"] = 1
-        if when is None and log.read_text() != before:
-            failed["finished_run_changed"] = 1
-        results[name] = {
-            "expected": len(want),
-            "written": len(got),
-            "duplicated": sum(n - 1 for n in steps.values() if n > 1),
-            "lost": len({r["step"] for r in want} - set(steps)),
-            "failed": failed,
-            "hung": "hung" in (first, second),
-        }
-    return results
-
-
-GROUPS = ("envs", "server_faults", "hostile", "resume")
+GROUPS = ("envs", "server_faults", "hostile", "resume", "runs", "verifier")
 
 
 def run_groups(only: list[str], tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -334,8 +242,19 @@ def run_groups(only: list[str], tmp: Path, args: argparse.Namespace) -> dict[str
         )
     if "hostile" in only:
         results |= asyncio.run(hostile_scenarios(tmp))
-    if "resume" in only:
-        results |= resume_scenarios(tmp)
+    if "resume" in only or "runs" in only:
+        reference = train_reference(tmp)
+        if "resume" in only:
+            results |= resume_scenarios(tmp, reference)
+        if "runs" in only:
+            results |= run_scenarios(tmp, reference, seeds=args.seeds)
+    if "verifier" in only:
+        forged = forged_rewards("auto")
+        results["forged code-verifier programs"] = {
+            "expected": forged["forgeries"], "written": forged["forgeries"], "duplicated": 0,
+            "lost": 0, "failed": {f"paid {k}": 1 for k in forged["paid"]}, "hung": False,
+            "forged_rewards": forged["forged_rewards"],
+        }  # fmt: skip
     return results
 
 
@@ -345,6 +264,7 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
     p.add_argument("--skip-resume", action="store_true", help="same as leaving resume out")
+    p.add_argument("--seeds", type=int, default=20, help="kill instants per write (runs group)")
     args = p.parse_args()
     only = [g.strip() for g in args.only.split(",") if g.strip()]
     if unknown := sorted(set(only) - set(GROUPS)):
