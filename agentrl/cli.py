@@ -209,5 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return exit_code(lambda: args.func(args))  # a bad config: one line naming the field
 
 
+def entry() -> None:
+    """The ``agentrl`` console script: :func:`main`, then an exit stuck threads cannot hold."""
+    from agentrl.rollout.watchdog import end_process
+
+    end_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 from typing import Any
 
 from agentrl.config import load_config
 from agentrl.loop.jobs import exit_code, run_training
+from agentrl.rollout.watchdog import end_process
 from agentrl.verifiers.sandbox import default_sandbox
 
 # -------------------------------------------------------------------------------- config
@@ -81,4 +81,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    sys.exit(exit_code(main))
+    end_process(exit_code(main))

@@ -288,7 +288,7 @@ def test_train_with_an_env_that_blocks_the_event_loop_exits_with_one_line(tmp_pa
 GUARDED = {  # a failed run whose teardown waits for a thread that never returns
     "asyncio.run joins the default executor": """
 import asyncio, threading
-from agentrl.rollout.watchdog import guard_exit
+from agentrl.rollout.watchdog import exit_guard, guard_exit
 
 async def main():
     try:
@@ -297,15 +297,16 @@ async def main():
         guard_exit("stopping: the env hangs\\nits traceback", grace_s=0.5)
         raise SystemExit(1)
 
-asyncio.run(main())
+with exit_guard():
+    asyncio.run(main())
 """,
     "the interpreter joins a thread": """
 import sys, threading
-from agentrl.rollout.watchdog import guard_exit
+from agentrl.rollout.watchdog import end_process
 
-threading.Thread(target=threading.Event().wait).start()
-guard_exit("stopping: the env hangs\\nits traceback", grace_s=0.5)
-sys.exit(1)
+threading.Thread(target=threading.Event().wait, name="stuck-env").start()
+print("agentrl: error: stopping: the env hangs", file=sys.stderr)
+end_process(1, grace_s=0.5)
 """,
 }
 
@@ -318,7 +319,32 @@ def test_a_failed_process_exits_even_when_threads_are_stuck(case: str) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert out.returncode == 1 and time.perf_counter() - t0 < 10, out.stderr
-    assert out.stderr.startswith("agentrl: error: stopping: the env hangs (exiting: threads stuck")
+    assert out.stderr.startswith("agentrl: error: stopping: the env hangs")
+    assert "threads stuck: " in out.stderr
+
+
+def test_a_guard_armed_outside_a_job_or_after_it_never_ends_the_process() -> None:
+    # a library caller (a notebook, this test session) is not ended by a run that failed in it
+    script = """
+import asyncio, threading, time
+from agentrl.rollout.watchdog import exit_guard, guard_exit
+
+guard_exit("outside any job", grace_s=0.2)  # not armed: no job
+with exit_guard():
+    guard_exit("a failed job", grace_s=0.2)  # armed, then disarmed as the job's teardown ends
+stuck = threading.Event()
+
+async def main():
+    asyncio.get_running_loop().run_in_executor(None, stuck.wait)
+
+threading.Timer(1.0, stuck.set).start()
+asyncio.run(main())  # its teardown waits 1 s for the thread: longer than any grace above
+print("survived")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "survived", out.stderr
 
 
 async def test_an_env_filling_the_default_threads_does_not_stall_generation(engine) -> None:

@@ -27,6 +27,7 @@ from agentrl.config_reference import add_flags, flag_dest, flag_overrides, refer
 from agentrl.errors import ConfigError, TrainingError
 from agentrl.loop import stop
 from agentrl.loop.atomic import DiskFull, is_disk_full
+from agentrl.rollout.watchdog import exit_guard
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def _train(config: TrainConfig, *, resume: bool, overwrite: bool, quiet: bool) -
         if not quiet:
             bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
             bar.write(f"run directory: {trainer.run_dir}")
-        summary = asyncio.run(trainer.run())
+        with exit_guard():  # a failed run's teardown cannot hang on stuck env threads
+            summary = asyncio.run(trainer.run())
     except (stop.Stopped, asyncio.CancelledError) as e:
         signum = e.signum if isinstance(e, stop.Stopped) else stop.requested()
         if signum is None:  # cancelled, not by a stop signal
@@ -324,7 +326,8 @@ def rollout_exit_code(m: dict[str, float], max_failed_frac: float) -> int:
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    return asyncio.run(_rollout(args))
+    with exit_guard():
+        return asyncio.run(_rollout(args))
 
 
 async def _rollout(args: argparse.Namespace) -> int:

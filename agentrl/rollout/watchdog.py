@@ -8,10 +8,14 @@
   default the process stops (:func:`stop_process`). A blocked loop cannot be preempted; failing
   loudly within the deadline is all that can be done. A loop busy with anything else (a
   learner step, a long tokenisation) is left alone.
-- :func:`guard_exit`: once a run has failed, the process must end even if stuck threads that
-  are not daemons (an env's own ``asyncio.to_thread`` call) keep ``asyncio.run`` or the
-  interpreter waiting for them: after :data:`EXIT_GRACE_S` in that teardown, the error is
-  printed and the process exits with status 1.
+- :func:`guard_exit`: once a run has failed, the process must end even if stuck threads (an
+  env's own ``asyncio.to_thread`` call) keep ``asyncio.run`` waiting for them: after
+  :data:`EXIT_GRACE_S` in that teardown, the error is printed and the process exits with status
+  1. Only inside :func:`exit_guard` (the command-line jobs wrap their ``asyncio.run`` in it),
+  and disarmed on leaving it: a library caller's process (a notebook, a test session) is never
+  ended by a run that failed in it earlier.
+- :func:`end_process`: a script's ``sys.exit``; a failed one ends even if threads that are not
+  daemons (an env's own) keep the interpreter waiting at exit.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +166,8 @@ _TEARDOWN = (
 )
 _guard_lock = threading.Lock()
 _guarded = False
+_enabled = False
+_disarm: threading.Event | None = None
 
 
 def _in_teardown(frame: FrameType | None) -> bool:
@@ -171,38 +178,75 @@ def _in_teardown(frame: FrameType | None) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def exit_guard() -> Iterator[None]:
+    """A command-line job's run: :func:`guard_exit` arms within, and is disarmed on leaving.
+
+    Leaving means the run's teardown is over, so nothing is left to guard.
+    """
+    global _enabled, _guarded, _disarm
+    _enabled = True
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            _enabled, _guarded = False, False
+            if _disarm is not None:
+                _disarm.set()
+                _disarm = None
+
+
+def _holding(main: int | None) -> str:
+    """The threads that keep the process alive (not daemons), beside the main one."""
+    me = threading.get_ident()
+    stuck = [t.name for t in threading.enumerate() if t.ident not in (main, me) and not t.daemon]
+    return ", ".join(stuck[:5]) + (" ..." if len(stuck) > 5 else "")
+
+
 def guard_exit(message: str, grace_s: float = EXIT_GRACE_S) -> None:
-    """Make sure a failed run's process ends (module docstring); arm once per process.
+    """Make sure a failed run's process ends (module docstring); inside :func:`exit_guard` only.
 
     Args:
         message: the run's error, printed if the process has to be ended.
         grace_s: how long the main thread may sit in teardown before that.
     """
-    global _guarded
+    global _guarded, _disarm
     with _guard_lock:
-        if _guarded:
+        if _guarded or not _enabled:
             return
         _guarded = True
+        disarmed = _disarm = threading.Event()
     main = threading.main_thread().ident
     interval = min(0.5, grace_s / 4)
 
     def watch() -> None:
         since: float | None = None
-        while True:
-            time.sleep(interval)
+        while not disarmed.wait(interval):
             frame = sys._current_frames().get(main) if main is not None else None
             if not _in_teardown(frame):
                 since = None
                 continue
             since = since or time.monotonic()
-            if time.monotonic() - since >= grace_s:
-                me = threading.get_ident()
-                stuck = [  # the threads that hold the process: not daemons
-                    t.name
-                    for t in threading.enumerate()
-                    if t.ident not in (main, me) and not t.daemon
-                ]
-                shown = ", ".join(stuck[:5]) + (" ..." if len(stuck) > 5 else "")
+            if time.monotonic() - since >= grace_s and not disarmed.is_set():
+                shown = _holding(main)
                 _exit_now(f"{message.splitlines()[0]} (exiting: threads stuck: {shown})")
 
     threading.Thread(target=watch, name="agentrl-exit-guard", daemon=True).start()
+
+
+def end_process(code: int, grace_s: float = EXIT_GRACE_S) -> NoReturn:
+    """``sys.exit(code)`` for a script, which stuck threads cannot hold up.
+
+    If ``code`` is non-zero and threads that are not daemons still hold the process ``grace_s``
+    later (an env's own, stuck), it is ended with ``code``.
+    """
+    if code:
+        main = threading.main_thread().ident
+
+        def watch() -> None:
+            time.sleep(grace_s)
+            print(f"agentrl: exiting: threads stuck: {_holding(main)}", file=sys.stderr, flush=True)
+            os._exit(code)
+
+        threading.Thread(target=watch, name="agentrl-end-process", daemon=True).start()
+    sys.exit(code)
