@@ -101,14 +101,18 @@ class ServerProcess:
 
 
 def start_tiny_server(
-    *extra_args: str, timeout_s: float = 90.0, source: tuple[str, ...] = ("--model", "tiny")
+    *extra_args: str,
+    timeout_s: float = 90.0,
+    source: tuple[str, ...] = ("--model", "tiny"),
+    allow_tmp: bool = True,
 ) -> ServerProcess:
     """Start `agentrl serve --model tiny --port 0` (or another ``source``: ``--config F``) and
-    wait until /health answers 200."""
+    wait until /health answers 200. ``allow_tmp``: disk weight loads from the temp root (where
+    the tests' own directories are) are allowed."""
     cmd = [sys.executable, "-m", "agentrl.cli", "serve", *source, "--port", "0"]
     cmd += ["--torch-threads", "1", "--log-level", "WARNING", *extra_args]
-    # tests push weights from their own tmp_path directories: allow the temp root for disk loads
-    cmd += ["--weights-dir", tempfile.gettempdir()]
+    if allow_tmp:  # tests push weights from their own tmp_path directories
+        cmd += ["--weights-dir", tempfile.gettempdir()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -57,7 +57,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Iterator[S
     try:
         server = start_tiny_server(
             "--api-key", "env:AGENTRL_TEST_API_KEY", "--admin-api-key", f"file:{keyfile}",
-            "--weights-dir", str(weights),
+            "--weights-dir", str(weights), allow_tmp=False,
         )  # fmt: skip
     finally:
         del os.environ["AGENTRL_TEST_API_KEY"]
