@@ -25,8 +25,10 @@ import torch
 from agentrl.config import load_config
 from agentrl.loop.trainer import Trainer
 from agentrl.report.build import add_report_command, build_report, scan_groups, select_groups
+from agentrl.report.chips import summary_chips
 from agentrl.report.page import render_page, turn_segments
-from agentrl.report.plots import FIGURE_PX, plot_all
+from agentrl.report.plots import FIGURE_PX, Panel, plot_all, y_range
+from agentrl.report.plots import FIGURES as SPECS
 from agentrl.tiny import build_tiny_tokenizer
 from agentrl.types import Message, Trajectory, TurnSpan
 
@@ -41,7 +43,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-FIGURES = ["reward", "clipping", "mismatch", "lengths", "speed"]
+FIGURES = ["reward", "clipping", "mismatch", "lengths", "outcomes", "speed"]
 
 
 STEPS = 3
@@ -155,6 +157,7 @@ def test_embedded_data_is_what_the_update_saw(run_dir: Path, report: Path) -> No
         assert sorted(e["gi"] for e in g["episodes"]) == [e["gi"] for e in g["episodes"]]
         assert sum(e["adv"] for e in g["episodes"]) == pytest.approx(0.0, abs=1e-3)
     assert data["run"]["in_progress"] is False and data["run"]["summary"]["steps"] == STEPS
+    assert data["run"]["chips"] == summary_chips(data["run"]["summary"])
 
 
 @pytest.mark.slow  # uses the module's training run
@@ -325,6 +328,14 @@ def test_browser_shows_turns_and_shading_offline(report: Path, tmp_path: Path) -
         page.on("request", lambda r: requests.append(r.url))
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(report.as_uri())
+        chips = page.locator("#chips").inner_text()
+        assert "held-out success at RL start: " in chips and "wall time: " in chips
+        for key in data["run"]["summary"]:  # no raw key such as success_start or wall_s
+            assert not re.search(rf"\b{key}\b", chips) or key in ("env", "loss", "steps"), key
+        for name in FIGURES:  # under each plot, one caption per panel
+            spec = next(f for f in SPECS if f.name == name)
+            shown = page.locator(f"#fig-{name} .panel-caption").all_inner_texts()
+            assert [c.split(":")[0] for c in shown] == [p.title for p in spec.panels], name
         page.select_option("#step-select", str(group["step"]))
         page.select_option("#group-select", str(gi))
         rows = page.locator("#group-table tbody tr")
@@ -355,3 +366,108 @@ def test_browser_shows_turns_and_shading_offline(report: Path, tmp_path: Path) -
     assert errors == []
     assert requests == [report.as_uri()], requests
     assert png_size(tmp_path / "report.png")[0] == 1400
+
+
+SUMMARY = {  # the keys the trainer writes (agentrl/loop/summary.py), plus a newer one
+    "success_start": 0.375,
+    "success_end": 0.8125,
+    "steps": 40,
+    "wall_s": 185.25,
+    "rl_wall_s": 120.5,
+    "cold_start_s": 64.75,
+    "turns_mean": 1.98,
+    "tool_calls_mean": 0.99,
+    "tool_use_frac": 0.96875,
+    "env": "lookup-v0",
+    "loss": "gspo_token",
+    "run_dir": "/runs/lookup",
+    "warnings": {"no_learning_signal": 28},
+    "failures": {"episodes": 5120, "failed": 4, "by_cause": {"env": 3, "timeout": 1}},
+    "failed_by_cause": {"env_error": 3, "timeout": 1},
+}
+
+
+def test_summary_chips_name_facts_with_units() -> None:
+    chips = {c["label"]: c["value"] for c in summary_chips(SUMMARY)}
+    assert chips == {
+        "held-out success at RL start": "37.5%",
+        "held-out success at end": "81.2%",
+        "RL steps": "40",
+        "wall time": "3 min 05 s",
+        "cold start": "1 min 05 s",
+        "RL time": "2 min 00 s",
+        "turns per episode at end": "1.98",
+        "tool calls per episode at end": "0.99",
+        "episodes that used the tool": "96.9%",
+        "env": "lookup-v0",
+        "loss": "gspo_token",
+        "failed episodes": "4 of 5120 (env 3, timeout 1)",
+        "warnings": "no learning signal 28",
+        "failed by cause": "env error 3, timeout 1",  # a key the chips do not know yet
+    }
+    assert summary_chips({"warnings": {}})[0]["value"] == "none"
+    assert summary_chips({"failures": [1]}) == []  # an unknown shape is left to summary.json
+    text = " ".join(f"{c['label']}: {c['value']}" for c in summary_chips(SUMMARY))
+    assert "_" not in text.replace("gspo_token", "") and "/" not in text
+    long = summary_chips({"first_error": "x" * 10_000})[0]
+    assert long["label"] == "first error" and len(long["value"]) == 80
+
+
+def _panel(title: str) -> Panel:
+    return next(p for f in SPECS for p in f.panels if p.title == title)
+
+
+def test_axis_ranges_do_not_magnify_noise() -> None:
+    turns = [1.98, 2.0, 1.99, 2.0]  # a two-turn env: the mean barely moves
+    lo, hi = y_range(_panel("turns"), turns) or (1.0, 1.0)
+    assert lo <= 0 and hi >= 2.0 and hi - lo < 2.5  # from 0, so 1.98-2.00 reads as flat
+    assert y_range(_panel("failed episodes"), [0.0, 0.0]) == pytest.approx((-0.05, 1.05))
+    assert y_range(_panel("success rate"), [0.5, 0.51]) == (-0.02, 1.02)
+    lo, hi = y_range(_panel("importance ratio"), [1.0, 1.0001]) or (1.0, 1.0)
+    assert hi - lo >= 0.05 and lo < 1.0 < hi  # not zoomed to 1e-4 of round-off
+    assert y_range(_panel("numeric mismatch, per token |diff|"), [1e-7, 1e-6]) is None  # log
+    # the drawn axes of the lengths figure use it
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from agentrl.report.plots import _draw_panel
+
+    fig, ax = plt.subplots()
+    try:
+        _draw_panel(ax, _panel("turns"), [("mean", [(i + 1, y) for i, y in enumerate(turns)])])
+        assert ax.get_ylim()[0] <= 0 <= 2.0 <= ax.get_ylim()[1]
+    finally:
+        plt.close(fig)
+
+
+def test_outcomes_split_fractions_from_counts() -> None:
+    outcomes = next(f for f in SPECS if f.name == "outcomes")
+    fraction, failed, no_signal = outcomes.panels
+    assert fraction.unit_range and {k for k, _ in fraction.series} == {
+        "rollout/truncated_frac",
+        "rollout/success_rate",
+    }
+    for counts in (failed, no_signal):
+        assert not counts.unit_range and counts.from_zero and counts.whole
+    assert failed.series == (("rollout/failed", "all causes"),)
+    assert no_signal.series == (("rollout/zero_signal_groups", "groups"),)
+    for panel in (p for f in SPECS for p in f.panels):  # no panel mixes fractions and counts
+        keys = [k for k, _ in panel.series] + ([panel.prefix] if panel.prefix else [])
+        fractions = [("frac" in k or "rate" in k or "hist" in k) for k in keys]
+        assert panel.unit_range == all(fractions), panel.title
+        if panel.unit_range:
+            assert not panel.from_zero and not panel.whole
+
+
+def test_every_panel_has_a_one_line_caption_on_the_page() -> None:
+    plots = [(f"{f.name}.png", "") for f in SPECS]
+    page = render_page({"run": {"name": "r"}, "groups": []}, plots)
+    for figure in SPECS:
+        for panel in figure.panels:
+            assert panel.caption and "\n" not in panel.caption and len(panel.caption) <= 200
+            line = f"<b>{panel.title}</b>: {panel.caption}".replace(">=", "&gt;=")
+            assert line.replace("'", "&#x27;") in page, panel.title
+    for title in ("clip fraction", "numeric mismatch, per token |diff|", "versions behind"):
+        assert _panel(title).caption  # the panels a newcomer asks about

@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from agentrl.report.chips import summary_chips
 from agentrl.report.page import episode_payload, render_page
 from agentrl.report.plots import plot_all, read_jsonl
 
@@ -248,6 +249,7 @@ def collect_report_data(
             "name": run_dir.name,
             "dir": str(run_dir.resolve()),
             "summary": summary,
+            "chips": summary_chips(summary if isinstance(summary, dict) else None),
             "in_progress": summary is None,
             "config_text": config_text,
             "generated_at": time.strftime("%Y-%m-%d %H:%M:%S"),

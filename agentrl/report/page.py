@@ -13,6 +13,7 @@ import html
 import json
 from typing import Any
 
+from agentrl.report.plots import figure_captions
 from agentrl.types import Trajectory
 
 _CSS = """
@@ -22,10 +23,12 @@ header h1{margin:0;font-size:20px} header .sub{opacity:.8;font-size:13px}
 section{padding:12px 20px} h2{font-size:17px;margin:8px 0}
 .banner{background:#fff3cd;border:1px solid #e0c36a;padding:6px 10px;margin:8px 0}
 .chips span{display:inline-block;background:#eceff1;border-radius:10px;padding:2px 9px;margin:2px;
- font-size:12px;color:#263238}
+ font-size:13px;color:#455a64} .chips b{color:#263238}
 .plots{display:flex;flex-wrap:wrap;gap:10px}
 .plots figure{margin:0;background:#fff;border:1px solid #ddd;padding:4px}
-.plots img{width:600px;max-width:100%;display:block} figcaption{font-size:11px;color:#666}
+.plots figure{width:660px;max-width:100%} .plots img{width:100%;display:block}
+figcaption{font-size:12px;color:#444;padding:2px 6px} figcaption p{margin:3px 0}
+figcaption .file{color:#888;font-size:11px}
 .controls{display:flex;gap:14px;flex-wrap:wrap;align-items:center;margin:8px 0}
 .note{font-size:12px;color:#555}
 table{border-collapse:collapse;background:#fff} td,th{border:1px solid #ddd;padding:2px 7px;
@@ -89,10 +92,9 @@ function header() {
   $('subtitle').textContent = r.dir + ' · generated ' + r.generated_at;
   if (r.in_progress) $('banner').append(el('div', 'banner', 'Run in progress (no summary.json ' +
     'yet; last step ' + r.last_step + '). Re-run `agentrl report` to refresh.'));
-  const chips = $('chips'); const s = r.summary || {};
-  for (const [k, v] of Object.entries(s)) if (typeof v !== 'object')
-    chips.append(el('span', '', k + ': ' + (Number.isInteger(v) ? v : typeof v === 'number' ?
-      fmt(v, 3) : v)));
+  for (const c of r.chips || []) { const chip = el('span', '', c.label + ': ');
+    chip.append(el('b', '', c.value)); chip.title = 'summary.json: ' + c.key;
+    $('chips').append(chip); }
   if (r.last_metrics) { const d = el('details'); d.append(el('summary', '', 'Metrics of the ' +
     'last record (step ' + r.last_metrics.step + ')')); const t = el('div', 'kv');
     for (const [k, v] of Object.entries(r.last_metrics)) if (k !== 'time') kv(t, k, fmt(v, 4));
@@ -360,6 +362,21 @@ def _data_json(data: dict[str, Any]) -> str:
     return json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
 
 
+def _figure(name: str, b64: str) -> str:
+    """One plot with a line per panel that says how to read it."""
+    stem = name.removesuffix(".png")
+    lines = "".join(
+        f'<p class="panel-caption"><b>{html.escape(title)}</b>: {html.escape(caption)}</p>'
+        for title, caption in figure_captions(stem)
+        if caption
+    )
+    return (
+        f'<figure id="fig-{html.escape(stem)}"><img alt="{html.escape(stem)}" '
+        f'src="data:image/png;base64,{b64}"><figcaption>{lines}'
+        f'<span class="file">{html.escape(name)}</span></figcaption></figure>'
+    )
+
+
 def render_page(data: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     """The whole HTML document.
 
@@ -367,11 +384,7 @@ def render_page(data: dict[str, Any], plots: list[tuple[str, str]]) -> str:
         data: the JSON-serialisable report data (:func:`agentrl.report.build.collect_report_data`).
         plots: ``(file name, base64 PNG)`` pairs, shown in order.
     """
-    figures = "".join(
-        f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{b64}">'
-        f"<figcaption>{html.escape(name)}</figcaption></figure>"
-        for name, b64 in plots
-    )
+    figures = "".join(_figure(name, b64) for name, b64 in plots)
     title = html.escape(f"agentrl report: {data['run']['name']}")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

@@ -4,8 +4,11 @@ Each figure is a small declarative spec (:data:`FIGURES`): panels of metric keys
 ``metrics.jsonl`` against the step. A figure is drawn when any of its keys has data, so the
 staleness figure appears only for runs with partial rollouts, and a run that is still going gets
 the figures its first steps allow. ``reward.png`` is always written (the trainer's end-of-run
-plot). Every figure has the same pixel size, :data:`FIGURE_PX`; files are written to a temporary
-name and renamed, so a viewer never sees half a PNG.
+plot). Each panel has a one-line caption for a newcomer, shown under its figure in
+``report.html`` (:func:`figure_captions`). Y ranges are chosen, not zoomed to the data
+(:func:`y_range`): fractions span 0 to 1, counts and sizes include 0, and an axis spans at
+least a panel's ``min_span``. Every figure has the same pixel size, :data:`FIGURE_PX`; files are
+written to a temporary name and renamed, so a viewer never sees half a PNG.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +38,19 @@ class Panel:
     ylabel: str = ""
     log_y: bool = False
     unit_range: bool = False
+    """A fraction: the y axis is 0 to 1 whatever the data."""
+    from_zero: bool = False
+    """A count or size: the y axis includes 0, so a steady value is a flat line, not noise."""
+    min_span: float = 0.0
+    """The y axis spans at least this much, so round-off is not magnified to fill the axes."""
+    whole: bool = False
+    """Whole numbers (episodes, groups): y ticks only at integers."""
     prefix_label: str = "{}"
     """How a key under ``prefix`` is labelled (``{}`` is the rest of the key)."""
+    caption: str = ""
+    """One line for a newcomer: what the panel shows and how to read it (under the plot)."""
+    empty: str = "no data yet"
+    """What the panel says when none of its keys has data."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +60,6 @@ class Figure:
     name: str
     title: str
     panels: tuple[Panel, ...]
-    caption: str = ""
-    """One line under the panels that says how to read them."""
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -58,16 +71,20 @@ FIGURES: tuple[Figure, ...] = (
                 "mean reward per episode",
                 (("rollout/reward_mean", "training episodes"), ("eval/reward_mean", "held-out")),
                 ylabel="reward",
+                from_zero=True,
+                min_span=0.1,
+                caption="The env's reward, averaged over episodes. Training episodes sample at "
+                "rollout.temperature; held-out tasks are evaluated at train.eval_temperature "
+                "(0: greedy) and are the number to trust.",
             ),
             Panel(
                 "success rate",
                 (("rollout/success_rate", "training episodes"), ("eval/success_rate", "held-out")),
                 unit_range=True,
                 ylabel="fraction of episodes",
+                caption="Fraction of episodes whose reward reached the success threshold.",
             ),
         ),
-        "Training episodes sample at rollout.temperature; held-out ones at "
-        "train.eval_temperature (0: greedy).",
     ),
     Figure(
         "clipping",
@@ -77,12 +94,26 @@ FIGURES: tuple[Figure, ...] = (
                 "clip fraction",
                 (("loss/clip_frac_tokens", "tokens"), ("loss/clip_frac_seqs", "sequences")),
                 unit_range=True,
+                ylabel="fraction",
+                caption="Share of tokens (sequences) whose probability moved past the clip range "
+                "(learner.eps_low/eps_high) and so gave no gradient; near 1, the updates are "
+                "too big for it.",
             ),
             Panel(
                 "importance ratio",
                 (("loss/ratio_mean", "mean"), ("loss/ratio_min", "min"), ("loss/ratio_max", "max")),
+                min_span=0.05,
+                ylabel="new / old probability",
+                caption="A token's probability under the weights being updated over the one it "
+                "was sampled with; 1 means the policy has not moved since.",
             ),
-            Panel("grad norm", (("loss/grad_norm", "mean"), ("loss/grad_norm_max", "max"))),
+            Panel(
+                "grad norm",
+                (("loss/grad_norm", "mean"), ("loss/grad_norm_max", "max")),
+                from_zero=True,
+                caption="Size of the gradient before it is clipped to learner.grad_clip; "
+                "spikes mark unstable updates.",
+            ),
         ),
     ),
     Figure(
@@ -93,11 +124,17 @@ FIGURES: tuple[Figure, ...] = (
                 "numeric mismatch, per token |diff|",
                 (("mismatch/numeric_mean_abs", "mean"), ("mismatch/numeric_max_abs", "max")),
                 log_y=True,
+                ylabel="|log-prob difference|",
+                caption="Same weights, same tokens: the trainer's and the inference engine's "
+                "log-probs differ only by kernels and dtype (~1e-6 in float32); large means a bug.",
             ),
             Panel(
                 "policy lag, per token |diff|",
                 (("mismatch/lag_mean_abs", "mean"), ("mismatch/lag_max_abs", "max")),
                 log_y=True,
+                caption="The same difference for tokens sampled by older weights (overlapped "
+                "loop, train.max_staleness >= 1): expected, the policy moved.",
+                empty="none: every token was sampled by the weights being trained",
             ),
             Panel(
                 "sequence mean log-ratio",
@@ -105,24 +142,68 @@ FIGURES: tuple[Figure, ...] = (
                     ("mismatch/seq_log_ratio_mean", "mean"),
                     ("mismatch/seq_log_ratio_abs_max", "|max|"),
                 ),
+                from_zero=True,
+                caption="Trainer minus engine log-prob averaged over each episode's tokens; "
+                "near 0 means they agree on whole episodes.",
             ),
         ),
-        "Numeric: tokens sampled by the weights being trained (kernels, dtype; ~1e-6 in float32). "
-        "Lag: tokens from older weights (overlapped loop), expected.",
     ),
     Figure(
         "lengths",
-        "Episodes",
+        "Episode length",
         (
-            Panel("response tokens", (("rollout/response_len_mean", "mean"),), ylabel="tokens"),
-            Panel("turns", (("rollout/turns_mean", "mean"),), ylabel="turns"),
             Panel(
-                "outcomes",
-                (
-                    ("rollout/truncated_frac", "truncated"),
-                    ("rollout/failed", "failed"),
-                    ("rollout/zero_signal_groups", "zero-signal groups"),
-                ),
+                "response tokens",
+                (("rollout/response_len_mean", "mean"),),
+                ylabel="tokens",
+                from_zero=True,
+                min_span=1.0,
+                caption="Tokens the model wrote per episode (all its turns), mean over the "
+                "step's episodes.",
+            ),
+            Panel(
+                "turns",
+                (("rollout/turns_mean", "mean"),),
+                ylabel="turns",
+                from_zero=True,
+                min_span=1.0,
+                caption="Assistant turns per episode, mean over the step's episodes; at most "
+                "rollout.max_turns.",
+            ),
+        ),
+    ),
+    Figure(
+        "outcomes",
+        "How episodes ended",
+        (
+            Panel(
+                "fraction of episodes",
+                (("rollout/success_rate", "solved"), ("rollout/truncated_frac", "truncated")),
+                unit_range=True,
+                ylabel="fraction of episodes",
+                caption="Solved: reward reached the success threshold. Truncated: cut off by "
+                "rollout.max_turns or a token limit before the env ended the episode.",
+            ),
+            Panel(
+                "failed episodes",
+                (("rollout/failed", "all causes"),),
+                prefix="rollout/failed_",
+                ylabel="episodes per step",
+                from_zero=True,
+                whole=True,
+                min_span=1.0,
+                caption="Episodes lost to an error (env exception, timeout, server) and not "
+                "trained on; any at all is a bug to fix: see the episode's error below.",
+            ),
+            Panel(
+                "groups with no learning signal",
+                (("rollout/zero_signal_groups", "groups"),),
+                ylabel="groups per step",
+                from_zero=True,
+                whole=True,
+                min_span=1.0,
+                caption="Groups whose episodes all got the same reward: zero advantage, nothing "
+                "to learn; tasks too easy or too hard (docs/envs.md).",
             ),
         ),
     ),
@@ -130,7 +211,13 @@ FIGURES: tuple[Figure, ...] = (
         "speed",
         "Throughput and time per phase",
         (
-            Panel("learner throughput", (("perf/tokens_per_s", "tokens/s"),), ylabel="tokens/s"),
+            Panel(
+                "learner throughput",
+                (("perf/tokens_per_s", "tokens/s"),),
+                ylabel="tokens/s",
+                from_zero=True,
+                caption="Tokens per second through the learner's forward and backward passes.",
+            ),
             Panel(
                 "seconds per step",
                 (
@@ -140,6 +227,9 @@ FIGURES: tuple[Figure, ...] = (
                     ("time/step_s", "step"),
                 ),
                 ylabel="s",
+                from_zero=True,
+                caption="Wall time of a step and its phases: generating episodes, training, "
+                "pushing the new weights to the engine.",
             ),
         ),
     ),
@@ -148,15 +238,31 @@ FIGURES: tuple[Figure, ...] = (
         "Staleness (overlapped loop, partial rollouts)",
         (
             Panel(
-                "per step",
+                "versions behind",
                 (
-                    ("staleness/max", "oldest token (versions behind)"),
+                    ("staleness/max", "oldest token"),
                     ("staleness/version_spread", "versions in the batch - 1"),
+                ),
+                ylabel="weight versions",
+                from_zero=True,
+                whole=True,
+                min_span=1.0,
+                caption="Staleness: how many weight updates behind the learner the batch's "
+                "oldest token was sampled; at most train.max_staleness.",
+            ),
+            Panel(
+                "partial rollouts",
+                (
                     ("staleness/interrupted_episodes", "episodes interrupted"),
                     ("staleness/resumed_episodes", "episodes resumed"),
                     ("staleness/due_groups", "groups the step waited for"),
                 ),
-                ylabel="count",
+                ylabel="per step",
+                from_zero=True,
+                whole=True,
+                min_span=1.0,
+                caption="Episodes paused at a weight push and resumed on the new weights, and "
+                "groups the step had to wait for.",
             ),
             Panel(
                 "trained tokens by age",
@@ -165,11 +271,44 @@ FIGURES: tuple[Figure, ...] = (
                 prefix_label="{} versions old",
                 unit_range=True,
                 ylabel="fraction of tokens",
+                caption="A token's age is the learner's version minus the version that sampled "
+                "it; 0 versions old is on-policy.",
             ),
         ),
-        "A token's age is the learner's version minus the version that sampled it.",
     ),
 )
+
+
+def figure_captions(name: str) -> list[tuple[str, str]]:
+    """``(panel title, caption)`` of each panel of the figure called ``name`` (``[]``: none)."""
+    for figure in FIGURES:
+        if figure.name == name:
+            return [(p.title, p.caption) for p in figure.panels]
+    return []
+
+
+def y_range(panel: Panel, ys: list[float]) -> tuple[float, float] | None:
+    """The y limits of a linear panel with these values; ``None`` leaves them to matplotlib.
+
+    A fraction spans 0 to 1; a count includes 0; any axis spans at least ``min_span``, centred
+    on the data, so that 1.98 to 2.00 is not drawn across the whole height. A 5% margin is kept.
+    """
+    if panel.unit_range:
+        return -0.02, 1.02
+    if panel.log_y or not ys:
+        return None
+    lo, hi = min(ys), max(ys)
+    if panel.from_zero:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if hi - lo < panel.min_span:
+        mid = (lo + hi) / 2
+        lo, hi = mid - panel.min_span / 2, mid + panel.min_span / 2
+        if panel.from_zero and min(ys) >= 0 and lo < 0:  # a non-negative count stays >= 0
+            lo, hi = 0.0, panel.min_span
+    if hi == lo:
+        return None
+    pad = 0.05 * (hi - lo)
+    return lo - pad, hi + pad
 
 
 def _pyplot() -> Any:
@@ -216,6 +355,7 @@ def _series(
     if panel.prefix is not None:
         keys = sorted({k for r in records for k in r if k.startswith(panel.prefix)})
         pairs += [(k, panel.prefix_label.format(k.removeprefix(panel.prefix))) for k in keys]
+    fixed = {k for k, _ in panel.series}
     out = []
     for key, label in pairs:
         pts = [
@@ -223,7 +363,9 @@ def _series(
             for r in records
             if isinstance(r.get(key), int | float) and "step" in r
         ]
-        if pts:
+        # a key found by prefix that is 0 throughout (a failure cause that never happened)
+        # only crowds the legend
+        if pts and (key in fixed or any(y != 0 for _, y in pts)):
             out.append((label, pts))
     return out
 
@@ -235,20 +377,26 @@ def _draw_panel(ax: Any, panel: Panel, data: list[tuple[str, list[tuple[int, flo
         ax.plot(xs, ys, marker="o" if sparse else None, markersize=4, label=label)
     if panel.log_y and any(y > 0 for _, pts in data for _, y in pts):
         ax.set_yscale("log")
-    if panel.unit_range:
-        ax.set_ylim(-0.02, 1.02)
+    limits = y_range(panel, [y for _, pts in data for _, y in pts])
+    if limits is not None:
+        ax.set_ylim(*limits)
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if panel.whole:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if panel.ylabel:
         ax.set_ylabel(panel.ylabel)
     ax.grid(alpha=0.3)
     if data:
         ax.legend(fontsize=8, loc="best")
     else:
-        ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+        note = textwrap.fill(panel.empty, width=24)
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
 
 
 def _save(fig: Any, out: Path) -> None:
@@ -280,9 +428,7 @@ def draw_figure(
         for ax, panel, series in zip(axes[0], figure.panels, data, strict=True):
             _draw_panel(ax, panel, series)
         fig.suptitle(figure.title, fontsize=11)
-        if figure.caption:
-            fig.text(0.5, 0.01, figure.caption, ha="center", va="bottom", fontsize=8)
-        fig.tight_layout(rect=(0, 0.05 if figure.caption else 0, 1, 1))
+        fig.tight_layout()
         out = out_dir / f"{figure.name}.png"
         _save(fig, out)
     finally:
