@@ -5,7 +5,8 @@ as the parser's ``func`` (returning the exit code): ``train`` and ``rollout`` ar
 :func:`agentrl.loop.jobs.add_train` / :func:`~agentrl.loop.jobs.add_rollout` and take the
 config's ``--section.key=value`` overrides and ``--import``; ``serve`` here; ``report`` by
 :func:`agentrl.report.build.add_report_command`. ``main(argv)`` returns the exit code; a bad
-config or argument is one line on stderr naming the field, never a traceback.
+config or argument is one line on stderr naming the field, and any other failure one line with
+its root cause; ``agentrl --debug COMMAND`` prints the full traceback as well.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train LLM agents with reinforcement learning over multi-turn interactions.",
     )
     parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on failure, print the full traceback (else one line with the root cause)",
+    )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(subparsers)
     add_train(subparsers)
@@ -206,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
-    return exit_code(lambda: args.func(args))  # a bad config: one line naming the field
+    # a bad config, a dead server, any failure: one line (the full trace with --debug)
+    return exit_code(lambda: args.func(args), debug=args.debug)
 
 
 def entry() -> None:

@@ -67,7 +67,8 @@ class InferenceConfig(_Section):
     """Where rollouts are generated."""
 
     endpoints: list[str] = Field(default_factory=list)
-    """SGLang base URLs; empty means the embedded engine in this process."""
+    """SGLang base URLs (``http://host:30000``): a list, one URL, a comma list or a JSON list;
+    empty means the embedded engine in this process."""
     max_batch_size: int = Field(64, ge=1)
     """Requests decoded together by the embedded engine."""
     decode_steps: int = Field(64, ge=1)
@@ -111,6 +112,13 @@ class InferenceConfig(_Section):
     admin_api_key: str | None = None
     """The key of the control calls (pause, continue, abort, weight updates, flush:
     ``--admin-api-key``), as ``env:NAME`` or ``file:PATH``; unset: ``api_key``."""
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _endpoint_urls(cls, value: Any) -> list[str]:
+        from agentrl.inference.endpoints import parse_endpoints
+
+        return parse_endpoints(value)
 
     @field_validator("api_key", "admin_api_key")
     @classmethod
@@ -187,9 +195,13 @@ class ColdStartConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     """SFT learning rate (AdamW)."""
     target_success: float | None = None
-    """Stop early once greedy held-out success reaches this (checked every ``check_every``)."""
+    """Stop early once greedy held-out success reaches this (checked every ``check_every``
+    steps at first, more often as success nears it, so that it stops close to the target)."""
     check_every: int = Field(50, ge=1)
-    """SFT steps between checks of ``target_success``."""
+    """SFT steps between checks of ``target_success`` far from it (down to a tenth near it)."""
+    max_wall_s: float | None = Field(None, gt=0)
+    """Stop the cold start after this much wall time of SFT steps (``None``: no limit); it
+    counts apart from RL's ``train.max_wall_s``."""
 
 
 class TrainLoopConfig(_Section):
@@ -213,8 +225,9 @@ class TrainLoopConfig(_Section):
     keep_checkpoints: int | None = Field(3, ge=1)
     """Keep only this many newest checkpoints (``None``: all); resume falls back to an older
     one when the newest fails its manifest check."""
-    max_wall_s: float | None = None
-    """Stop after this much wall time (then evaluate and summarise)."""
+    max_wall_s: float | None = Field(None, gt=0)
+    """Stop RL after this much wall time (then evaluate and summarise); it counts from the first
+    RL step, so the cold start (``cold_start.max_wall_s``) and its evaluation are not in it."""
     max_staleness: int = Field(1, ge=0)
     """Overlap rollouts with training (:mod:`agentrl.loop.pipeline`): a token sampled by weight
     version u may train the learner at version v only if ``v - u <= max_staleness``; a step
@@ -236,11 +249,26 @@ class TrainLoopConfig(_Section):
     dist_timeout_s: float = Field(600.0, gt=0)
     """Several processes (``torchrun``): how long a rank waits in a collective for the others
     before the run fails, naming the rank and step (:mod:`agentrl.loop.ranks`)."""
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "trackio"]] = ["jsonl"]  # copied
+    """Where metrics go (:mod:`agentrl.loop.loggers`): ``jsonl`` (``metrics.jsonl``, always
+    on), ``tensorboard``, ``wandb`` (``pip install 'agentrl[wandb]'``; ``WANDB_MODE=offline``
+    keeps it local) and ``trackio`` (``pip install 'agentrl[trackio]'``; a local store under
+    ``TRACKIO_DIR``): the same metric names, the config as the run's config, sample
+    trajectories as tables. A list or a comma list (``--train.loggers=jsonl,wandb``)."""
     gil_switch_interval_ms: float | None = Field(None, gt=0)
     """Python's thread switch interval during the run (``sys.setswitchinterval``; Python's own
     default is 5 ms). The learner, the embedded engine and the event loop run in threads of one
     process; every torch call releases the GIL, and getting it back from a thread running pure
     Python can take a whole interval. ``None`` leaves Python's setting."""
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _loggers_list(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "jsonl,wandb"; bounded before the split
+            value = [n.strip() for n in value[:200].split(",") if n.strip()]
+        if isinstance(value, list):  # jsonl is always on; each tracker once
+            value = list(dict.fromkeys(["jsonl", *value]))
+        return value
 
     @model_validator(mode="after")
     def _overlap_settings(self) -> TrainLoopConfig:
@@ -280,7 +308,8 @@ class TrainConfig(_Section):
     cold_start: ColdStartConfig = Field(default_factory=ColdStartConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     tensorboard: bool = False
-    """Also write TensorBoard scalars (needs the ``tensorboard`` package)."""
+    """Also write TensorBoard scalars (needs the ``tensorboard`` package); an alias of
+    ``"tensorboard"`` in ``train.loggers``."""
 
     @model_validator(mode="after")
     def _learner_follows_rollout(self) -> TrainConfig:

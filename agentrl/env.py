@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import re
 import string
 import sys
@@ -254,7 +255,10 @@ class ToolEnv(Env):
             return StepResult([render_tool_response(f"error: {e}")], info=info)
         if not calls:
             self.done = True
-            reward, info = await self.score(action)
+            scored: Any = self.score(action)
+            if inspect.isawaitable(scored):  # a plain `def score` works too
+                scored = await scored
+            reward, info = self._checked_score(scored)
             return StepResult([], reward=reward, terminated=True, info=info)
         by_name = {t.name: t for t in self.tools}
         outputs, errors = [], 0
@@ -271,6 +275,22 @@ class ToolEnv(Env):
                 outputs.append(f"error: {type(e).__name__}: {e}")
         info = {"tool_calls": len(calls), "tool_errors": errors}
         return StepResult([render_tool_response("\n".join(outputs))], info=info)
+
+    def _checked_score(self, out: Any) -> tuple[float, dict[str, Any]]:
+        """``score``'s return, or an :class:`EnvError` naming the class, what came, what is due."""
+        where = f"{type(self).__name__}.score()"
+        due = "expected a (reward, info) tuple such as (1.0, {})"
+        if not isinstance(out, tuple) or len(out) != 2:
+            got = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
+            raise EnvError(f"{where} returned {got} {out!r:.100}; {due}")
+        reward, info = out
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise EnvError(f"{where} reward is {type(reward).__name__} {reward!r:.100}; {due}")
+        if not math.isfinite(reward):
+            raise EnvError(f"{where} reward is {reward!r}; expected a finite number")
+        if not isinstance(info, dict):
+            raise EnvError(f"{where} info is {type(info).__name__} {info!r:.100}; {due}")
+        return float(reward), info
 
 
 # ----------------------------------------------------------------------------- registry

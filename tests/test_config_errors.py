@@ -178,3 +178,34 @@ def test_train_help_shows_every_field() -> None:
     assert "--import MODULE_OR_FILE.py" in out.stdout
     assert "train.max_failed_frac : float = 0.5" in out.stdout
     assert "advantages.shapers : list[shaper discount" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("value", "urls"),
+    [
+        ("http://host:30000", ["http://host:30000"]),
+        ("http://a:1, https://b/sglang/", ["http://a:1", "https://b/sglang"]),
+        ('["http://a:1","http://b:2"]', ["http://a:1", "http://b:2"]),
+        ("[http://a:1]", ["http://a:1"]),  # a YAML flow list
+    ],
+)
+def test_endpoints_take_a_url_a_comma_list_or_a_json_list(value: str, urls: list[str]) -> None:
+    assert load_config(None, [f"--inference.endpoints={value}"]).inference.endpoints == urls
+
+
+def test_endpoints_in_files_and_malformed_urls(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text('[inference]\nendpoints = "http://a:1,http://b:2"\n')
+    (tmp_path / "a.yaml").write_text("inference:\n  endpoints: http://a:1\n")
+    assert load_config(tmp_path / "a.toml").inference.endpoints == ["http://a:1", "http://b:2"]
+    assert load_config(tmp_path / "a.yaml").inference.endpoints == ["http://a:1"]
+    want = "inference.endpoints: expected http://HOST:PORT (or https://)"
+    for bad, said in [
+        ("host:30000", f"{want} (got 'host:30000')"),
+        ("http://a:99999", f"{want}: bad port"),
+        ("http://a:1,,http://b:2", "inference.endpoints: entry 2 '': expected http://HOST:PORT"),
+        ("http://a:1?k=v", f"{want}, with no query, fragment or spaces"),
+        ('"[\\"http://a:1\\""', "inference.endpoints: not a valid JSON list of URLs"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"--inference.endpoints={bad}"])
+        assert said in str(err.value) and "\n" not in str(err.value), str(err.value)

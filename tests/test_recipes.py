@@ -48,7 +48,7 @@ def test_math_recipe_tool_demo_smoke(tmp_path: Path) -> None:
         assert row in s["stdout"]
     assert "cold start on 16 demonstrations: 2.0 assistant turns" in s["stdout"]
     assert "cold start step 4: loss" in s["stdout"]
-    assert "cold start=4/4" in s["stderr"]  # the bar's progress
+    assert "cold start 4/4 (100%)" in s["stderr"]  # the bar's progress
 
 
 @pytest.mark.slow

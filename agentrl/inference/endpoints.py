@@ -6,11 +6,14 @@ goes (the healthy endpoint with the fewest requests in flight), and the backoff 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 logger = logging.getLogger("agentrl.inference.client")
 
@@ -18,6 +21,56 @@ logger = logging.getLogger("agentrl.inference.client")
 def backoff_delay(first_s: float, attempt: int, cap_s: float = 5.0) -> float:
     """``first_s * 2**attempt`` capped at ``cap_s``, with +-20% jitter (so retries spread out)."""
     return min(cap_s, first_s * 2**attempt) * random.uniform(0.8, 1.2)
+
+
+MAX_ENDPOINTS = 1024
+"""The most endpoints one config may name (checked before the text is split)."""
+MAX_URL_CHARS = 2048
+
+
+def parse_endpoints(value: Any) -> list[str]:
+    """Base URLs from a list, a JSON list (``'["http://a:1"]'``) or a comma list of URLs.
+
+    Each must be ``http(s)://HOST[:PORT][/PATH]``; a trailing ``/`` is dropped.
+
+    Raises:
+        ValueError: one line naming the malformed entry and what is expected.
+    """
+    if isinstance(value, str):
+        if len(value) > MAX_ENDPOINTS * (MAX_URL_CHARS + 1):
+            raise ValueError(f"expected at most {MAX_ENDPOINTS} URLs, got {len(value)} characters")
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a valid JSON list of URLs ({e.msg} at {e.pos})") from None
+        else:
+            value = [] if not text else [u.strip() for u in text.split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("expected a URL, a comma list or a list of URLs")
+    if len(value) > MAX_ENDPOINTS:
+        raise ValueError(f"expected at most {MAX_ENDPOINTS} URLs, got {len(value)}")
+    return [
+        _checked_url(u, f"entry {i + 1} {u!r:.100}: " if len(value) > 1 else "")
+        for i, u in enumerate(value)
+    ]
+
+
+def _checked_url(url: Any, which: str) -> str:
+    want = f"{which}expected http://HOST:PORT (or https://)"
+    if not isinstance(url, str) or not url or len(url) > MAX_URL_CHARS:
+        raise ValueError(want)
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a port that is not a number in 0..65535 raises ValueError
+    except ValueError:
+        raise ValueError(f"{want}: bad port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise ValueError(want)
+    if parts.query or parts.fragment or any(c.isspace() for c in url):
+        raise ValueError(f"{want}, with no query, fragment or spaces")
+    return url.rstrip("/")
 
 
 @dataclass

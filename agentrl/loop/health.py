@@ -5,6 +5,10 @@
 
 - the first traceback of a failing episode is logged at ERROR, once per run;
 - a step where every group had equal rewards (no signal: the learner did nothing) is a warning;
+  each kind of warning is printed once, then counted (:attr:`RunHealth.warnings`: the progress
+  line and ``summary.json`` show the counts);
+- failed episodes are counted by cause over the run (:meth:`RunHealth.failures`, for
+  ``summary.json`` and the summary table);
 - a run stops with :class:`~agentrl.errors.TrainingError` when more than
   ``train.max_failed_frac`` of a step's episodes fail for ``train.max_failed_steps`` steps in a
   row: its first line says so and names the first failure, the first traceback follows; the
@@ -48,6 +52,27 @@ class RunHealth:
         self.first_error: str | None = None
         """``"Type: message"`` of the run's first failed episode, with its task."""
         self.failed_streak = 0
+        self.warnings: dict[str, int] = {}
+        """How often each kind of warning was raised (``{"no_learning_signal": 28}``)."""
+        self.episodes = 0
+        self.failed = 0
+        self.failed_by_cause: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str) -> None:
+        """Log ``message`` the first time ``kind`` is raised; afterwards only count it."""
+        self.warnings[kind] = self.warnings.get(kind, 0) + 1
+        if self.warnings[kind] == 1:
+            log.warning("%s (shown once; the progress and summary count the rest)", message)
+
+    def failures(self) -> dict[str, Any]:
+        """The run's failed training episodes: total, by cause and the first error (one line)."""
+        first = None if self.first_error is None else " ".join(self.first_error.split())
+        return {
+            "episodes": self.episodes,
+            "failed": self.failed,
+            "by_cause": dict(self.failed_by_cause),
+            "first_error": first,
+        }
 
     def observe(
         self, step: int, groups: Sequence[Group], trained: Sequence[Trajectory]
@@ -82,10 +107,10 @@ class RunHealth:
                 elif t.finish_reason == "timeout" and id(t) not in kept:
                     samples["timeout"].append(t)
         if alive and zero == alive:
-            log.warning(
-                "step %d: every group's episodes got equal rewards (no learning signal), so the "
-                "learner did nothing; check the reward function and the task difficulty",
-                step,
+            self.warn(
+                "no_learning_signal",
+                f"step {step}: every group's episodes got equal rewards (no learning signal), so "
+                "the learner did nothing; check the reward function and the task difficulty",
             )
         return [(k, t) for k, ts in samples.items() for t in ts[:SAMPLES_PER_KIND]]
 
@@ -99,6 +124,13 @@ class RunHealth:
         episodes = metrics.get("rollout/episodes", 0.0)
         if not episodes:
             return
+        self.episodes += int(episodes)
+        self.failed += int(metrics.get("rollout/failed", 0.0))
+        prefix = "rollout/failed_"
+        for key, n in metrics.items():
+            if key.startswith(prefix) and n:
+                cause = key[len(prefix) :]
+                self.failed_by_cause[cause] = self.failed_by_cause.get(cause, 0) + int(n)
         frac = metrics.get("rollout/failed", 0.0) / episodes
         self.failed_streak = self.failed_streak + 1 if frac > self.config.max_failed_frac else 0
         if self.failed_streak >= self.config.max_failed_steps:

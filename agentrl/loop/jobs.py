@@ -1,7 +1,8 @@
 """The long-running jobs behind the CLI: ``train`` and ``rollout``, with progress and summaries.
 
-Library modules never print; these are the user-facing front ends, so they draw a tqdm progress
-bar on stderr, print a summary table at the end, and return the figures for scripts. Both
+Library modules never print; these are the user-facing front ends, so they show progress on
+stderr (a tqdm bar on a terminal, plain lines in a log: :mod:`agentrl.loop.progress`), print a
+summary table at the end, and return the figures for scripts. Both
 commands (and the recipes) configure one :class:`~agentrl.config.TrainConfig` the same way: a
 config file, ``--section.key=value`` overrides and ``--import`` for envs of your own;
 ``rollout``'s short flags (``--group-size``) are generated from the config's models, with their
@@ -40,7 +41,10 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def run_training(
     config: TrainConfig, *, resume: bool = False, overwrite: bool = False
 ) -> dict[str, Any]:
-    """Train with a progress bar showing the latest reward; print and return the summary.
+    """Train with progress on stderr (latest reward, RL rate and ETA); print and return the summary.
+
+    The summary table ends with the failed training episodes (by cause, the first error) and
+    the warnings' counts, as ``summary.json`` holds them.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train together
     (:mod:`agentrl.loop.ranks`); rank 0 alone draws progress and prints the summary. SIGINT and
@@ -60,43 +64,23 @@ def run_training(
 
 
 def _train(config: TrainConfig, *, resume: bool, overwrite: bool, quiet: bool) -> dict[str, Any]:
+    from agentrl.loop.progress import Progress
     from agentrl.loop.trainer import Trainer
 
-    def on_step(m: dict[str, float]) -> None:
-        if "rollout/reward_mean" in m:
-            bar.n = int(m["step"])
-            post = {"reward": f"{m['rollout/reward_mean']:.3f}"}
-            if "eval/success_rate" in m:
-                post["held-out"] = f"{m['eval/success_rate']:.3f}"
-            bar.set_postfix(post)
-        elif "eval/success_rate" in m:
-            bar.write(f"step {m['step']}: held-out success {m['eval/success_rate']:.3f}")
-        elif "sft/step" in m:  # the cold start's progress
-            post = {"cold start": f"{int(m['sft/step'])}/{int(m['sft/steps'])}"}
-            bar.set_postfix(post | {"loss": f"{m['sft/loss']:.3f}"})
-            if "sft/held_out_success" in m:
-                bar.write(
-                    f"cold start step {int(m['sft/step'])}: loss {m['sft/loss']:.3f}, "
-                    f"held-out success {m['sft/held_out_success']:.3f}"
-                )
-        elif "sft/demonstrations" in m:
-            bar.write(
-                f"cold start on {int(m['sft/demonstrations'])} demonstrations: "
-                f"{m['sft/assistant_turns_mean']:.1f} assistant turns, "
-                f"{m['sft/tokens_mean']:.0f} tokens each"
-            )
-
-    bar: Any = None
+    progress: Progress | None = None
     trainer: Trainer | None = None
     if not logging.getLogger().handlers:  # the env's first traceback and warnings reach stderr
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:  # the other ranks of a multi-process run are quiet
-        trainer = Trainer(
-            config, resume=resume, overwrite=overwrite, on_step=None if quiet else on_step
-        )
-        if not quiet:
-            bar = tqdm(total=config.train.steps, desc=config.name, unit="step", dynamic_ncols=True)
-            bar.write(f"run directory: {trainer.run_dir}")
+        if not quiet:  # a bar on a terminal, plain lines in a log (agentrl.loop.progress)
+            progress = Progress(
+                config.name,
+                config.train.steps,
+                warnings=lambda: trainer.health.warnings if trainer is not None else {},
+            )
+        trainer = Trainer(config, resume=resume, overwrite=overwrite, on_step=progress)
+        if progress is not None:
+            progress.write(f"run directory: {trainer.run_dir}")
         with exit_guard():  # a failed run's teardown cannot hang on stuck env threads
             summary = asyncio.run(trainer.run())
     except (stop.Stopped, asyncio.CancelledError) as e:
@@ -110,60 +94,130 @@ def _train(config: TrainConfig, *, resume: bool, overwrite: bool, quiet: bool) -
         done.command = stop.resume_command(trainer.run_dir.resolve())
         raise done from None
     finally:
-        if bar is not None:
-            bar.close()
+        if progress is not None:
+            progress.close()
     if trainer.notice and not quiet:
         print(trainer.notice)
     if summary.get("already_finished") or quiet:
         return summary
     change = 100 * (summary["success_end"] - summary["success_start"])
-    print(
-        _table(
-            [
-                ("held-out success at RL start", f"{summary['success_start']:.3f}"),
-                ("held-out success at end", f"{summary['success_end']:.3f}"),
-                ("change", f"{change:+.1f} points"),
-                ("turns per episode at end", f"{summary['turns_mean']:.2f}"),
-                ("tool calls per episode at end", f"{summary['tool_calls_mean']:.2f}"),
-                ("episodes that used the tool", f"{summary['tool_use_frac']:.1%}"),
-                ("RL steps", str(summary["steps"])),
-                ("cold start", f"{summary['cold_start_s']:.1f} s"),
-                ("wall time", f"{summary['wall_s']:.1f} s"),
-                ("run directory", summary["run_dir"]),
-            ]
-        )
-    )
+    rows = [
+        ("held-out success at RL start", f"{summary['success_start']:.3f}"),
+        ("held-out success at end", f"{summary['success_end']:.3f}"),
+        ("change", f"{change:+.1f} points"),
+        ("turns per episode at end", f"{summary['turns_mean']:.2f}"),
+        ("tool calls per episode at end", f"{summary['tool_calls_mean']:.2f}"),
+        ("episodes that used the tool", f"{summary['tool_use_frac']:.1%}"),
+        ("RL steps", str(summary["steps"])),
+        ("cold start", f"{summary['cold_start_s']:.1f} s"),
+        ("RL wall time", f"{summary['rl_wall_s']:.1f} s"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+    ]
+    rows += summary_health_rows(summary, config.train.max_failed_frac)
+    print(_table([*rows, ("run directory", summary["run_dir"])]))
     return summary
 
 
-def exit_code(main: Callable[[], int | None]) -> int:
-    """Run ``main``; a config error or a stopped run is one line on stderr, not a traceback.
+def summary_health_rows(summary: dict[str, Any], max_failed_frac: float) -> list[tuple[str, str]]:
+    """The summary table's lines for failed episodes (by cause, the first error) and warnings.
+
+    A run that ended under ``train.max_failed_frac`` with failures says how many failed.
+    """
+    f = summary.get("failures") or {}
+    failed, episodes = int(f.get("failed", 0)), int(f.get("episodes", 0))
+    share = f" ({failed / episodes:.1%})" if episodes else ""
+    note = f"; under train.max_failed_frac={max_failed_frac:g}" if failed else ""
+    rows = [("failed training episodes", f"{failed} of {episodes}{share}{note}")]
+    rows += [(f"  {cause}", str(n)) for cause, n in sorted(f.get("by_cause", {}).items())]
+    if f.get("first_error"):
+        rows.append(("  first error", str(f["first_error"])))
+    for kind, n in sorted((summary.get("warnings") or {}).items()):
+        rows.append((f"warning {kind}", f"{n} times"))
+    return rows
+
+
+def exit_code(main: Callable[[], int | None], *, debug: bool = False) -> int:
+    """Run ``main``; any failure is one line on stderr, not a traceback (``debug``: the trace too).
+
+    A dead inference server is one line naming the endpoint and the run's last good step; any
+    other exception is its type and message plus the root cause of its chain
+    (``__cause__``/``__context__``), folded into one line.
 
     Returns:
         ``main``'s code (0 for ``None``), 2 for a :class:`ConfigError` (a bad config, path or
         argument), 1 for a :class:`TrainingError` (the run stopped: its message says why; a full
-        disk is one) and ``128 + signal`` for a run a signal stopped (130 SIGINT, 143 SIGTERM).
+        disk is one), a :class:`ServerError` or any other exception, and ``128 + signal`` for a
+        run a signal stopped (130 SIGINT, 143 SIGTERM).
     """
+    import traceback
+
+    from agentrl.errors import ServerError
+
+    def clip(text: str) -> str:  # one bounded line: a message may embed a whole response
+        text = " ".join(text.split()) or "(no message)"
+        return text if len(text) <= 300 else text[:300].rsplit(" ", 1)[0] + " ..."
+
+    def said(e: BaseException) -> str:
+        return f"{type(e).__name__}: {clip(str(e))}"
+
+    def root(e: BaseException) -> BaseException:
+        seen = {id(e)}
+        while (nxt := e.__cause__ or (None if e.__suppress_context__ else e.__context__)) and (
+            id(nxt) not in seen
+        ):
+            seen.add(id(nxt))
+            e = nxt
+        return e
+
+    def last_step(e: BaseException) -> str:
+        # the Trainer whose frame the error crossed knows its last finished step
+        trainer = sys.modules.get("agentrl.loop.trainer")
+        tb = e.__traceback__
+        while trainer is not None and tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            if isinstance(obj, trainer.Trainer):
+                return f"after step {obj.step}" if obj.step else "before the first step"
+            tb = tb.tb_next
+        return ""
+
+    def fail(e: BaseException, line: str, code: int) -> int:
+        if debug:
+            traceback.print_exception(e, file=sys.stderr)
+        print(f"agentrl: error: {line}", file=sys.stderr)
+        return code
+
     try:
         return int(main() or 0)
     except ConfigError as e:
-        print(f"agentrl: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e, str(e), 2)
     except TrainingError as e:
-        print(f"agentrl: error: {e}", file=sys.stderr)
-        return 1
+        return fail(e, str(e), 1)
     except stop.Stopped as e:
         print(e.line(), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C before the run's handlers were installed
         print("stopped before the run started; nothing to resume", file=sys.stderr)
         return 130
+    except ServerError as e:
+        cause = root(e)
+        where = last_step(e)
+        line = (
+            f"inference server {e.endpoint or '(unknown endpoint)'} failed"
+            + (f" {where}" if where else "")
+            + f": {clip(e.message)}"
+            + (f" (root cause: {said(cause)})" if cause is not e else "")
+        )
+        return fail(e, line + ("" if debug else "; --debug for the full trace"), 1)
     except OSError as e:  # a write this code did not wrap
-        if not is_disk_full(e):
+        if is_disk_full(e):
+            return fail(e, str(DiskFull(e.filename or "the run directory")), 1)
+        return fail(e, said(e) + ("" if debug else "; --debug for the full trace"), 1)
+    except Exception as e:  # anything else: one line with its root cause
+        if debug:
             raise
-        where = e.filename or "the run directory"
-        print(f"agentrl: error: {DiskFull(where)}", file=sys.stderr)
-        return 1
+        cause = root(e)
+        line = said(e) + (f" (root cause: {said(cause)})" if cause is not e else "")
+        return fail(e, line + "; --debug for the full trace", 1)
 
 
 def add_imports(parser: argparse.ArgumentParser) -> None:

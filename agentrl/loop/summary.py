@@ -1,4 +1,9 @@
-"""The end of a run: ``summary.json`` (written atomically) and the plots."""
+"""The end of a run: ``summary.json`` (written atomically) and the plots.
+
+Beside the held-out success it holds the run's warning counts (``warnings``, by kind) and its
+failed training episodes (``failures``: ``episodes``, ``failed``, ``by_cause``, ``first_error``),
+from :class:`~agentrl.loop.health.RunHealth`.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ def summarise(
         "env": trainer.config.env.id,
         "loss": trainer.learner.config.loss,
         "run_dir": str(trainer.run_dir),
+        "warnings": dict(trainer.health.warnings),
+        "failures": trainer.health.failures(),
     }
     if not trainer.ranks.is_main:
         return summary

@@ -140,15 +140,17 @@ class Trainer:
             }
         )
         self.evaluator = RolloutEngine(self.client, self.tokenizer, eval_cfg, chat=self.chat)
-        self._tb: Any = None
-        if config.tensorboard and self.ranks.is_main:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ConfigError(
-                    "tensorboard: true needs the tensorboard package (pip install tensorboard)"
-                ) from e
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._loggers: Any = None  # train.loggers beside metrics.jsonl; rank 0 writes them
+        if self.ranks.is_main:
+            from agentrl.loop.loggers import Loggers
+
+            trackers = [*config.train.loggers, *(["tensorboard"] if config.tensorboard else [])]
+            self._loggers = Loggers(
+                trackers,
+                self.run_dir,
+                name=self.run_dir.name,
+                config=config.model_dump(mode="json"),
+            )
 
     def make_env(self) -> Env:
         """A fresh env instance for one episode."""
@@ -373,30 +375,28 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def log(self, metrics: dict[str, float]) -> None:
-        """Append ``metrics`` as this step's line of ``metrics.jsonl`` (and TensorBoard)."""
+        """Append ``metrics`` as this step's line of ``metrics.jsonl`` (and ``train.loggers``)."""
         if not self.ranks.is_main:  # rank 0 writes the run's files and progress
             return
         rec = {"step": self.step, "time": time.time(), **metrics}
         append_bytes(self.run_dir / "metrics.jsonl", (json.dumps(rec) + "\n").encode())
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, self.step)
-            self._tb.flush()
+        if self._loggers is not None:
+            self._loggers.log(self.step, metrics)
         if self.on_step is not None:
             self.on_step(rec)
 
-    def out_of_time(self, t_start: float) -> bool:
-        """Whether ``train.max_wall_s`` has passed since ``t_start`` (``time.perf_counter()``)."""
+    def out_of_time(self, t_rl: float) -> bool:
+        """Whether ``train.max_wall_s`` has passed since ``t_rl``, the first RL step's start."""
         limit = self.config.train.max_wall_s
-        return limit is not None and time.perf_counter() - t_start > limit
+        return limit is not None and time.perf_counter() - t_rl > limit
 
-    async def after_step(self, metrics: dict[str, float], t_start: float) -> bool:
+    async def after_step(self, metrics: dict[str, float], t_rl: float) -> bool:
         """The one schedule of both loops, after each step; returns whether to stop.
 
         Evaluates every ``eval_every`` steps (not at the last: the run's end evaluates), logs
         the step, checkpoints every ``checkpoint_every`` steps or ``checkpoint_every_minutes``,
-        and stops at ``train.steps`` or when ``train.max_wall_s`` has passed.
+        and stops at ``train.steps`` or when ``train.max_wall_s`` has passed since ``t_rl``
+        (the RL loop's start: the cold start is not counted).
 
         Raises:
             TrainingError: too many episodes failed for too long (:class:`RunHealth`).
@@ -413,7 +413,7 @@ class Trainer:
             minutes and time.perf_counter() - self._checkpoint_time >= 60 * minutes
         )
         # rank 0's clock and signals decide for all
-        signum, due, late = self.ranks.broadcast((stop.requested(), due, self.out_of_time(t_start)))
+        signum, due, late = self.ranks.broadcast((stop.requested(), due, self.out_of_time(t_rl)))
         if due or signum is not None:
             self.save_checkpoint()
         self.updating = False
@@ -453,8 +453,8 @@ class Trainer:
             if self.weight_push is not None:
                 await self.weight_push.aclose()
             await self.client.aclose()
-            if self._tb is not None:
-                self._tb.close()
+            if self._loggers is not None:
+                self._loggers.close()
 
     async def _run(self, t_start: float) -> dict[str, Any]:
         cfg = self.config.train
@@ -476,14 +476,14 @@ class Trainer:
             self.save_checkpoint()  # keeps a cold start (a no-op right after a resume)
             raise stop.Stopped(self.step, signum, self.run_dir)
         t_rl = time.perf_counter()
-        if self.step < cfg.steps and not self.ranks.broadcast(self.out_of_time(t_start)):
+        if self.step < cfg.steps:  # train.max_wall_s counts from here
             # one schedule; the source of steps is the synchronous loop or the overlapped one
             pipeline = Pipeline(self) if cfg.max_staleness > 0 else None
             source = pipeline.steps() if pipeline else self._synchronous_steps()
             try:
                 async with aclosing(source) as steps:
                     async for metrics in steps:
-                        if await self.after_step(metrics, t_start):
+                        if await self.after_step(metrics, t_rl):
                             break
             except asyncio.CancelledError:  # a second signal: abandon the step in flight
                 stop.checkpoint_abandoned(self)
