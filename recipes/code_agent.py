@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import sys
 from typing import Any
 
 from agentrl.config import load_config
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--overwrite", action="store_true", help="replace the run that run_dir=... holds"
     )
+    ap.add_argument("--debug", action="store_true", help="print the full trace of a failure")
     ap.add_argument("--import", dest="imports", action="append", default=[],
                     help="a module or .py file that registers envs (repeatable)")
     # any other argument is a config override: --section.key=value (or section.key=value)
@@ -81,4 +83,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    end_process(exit_code(main))
+    end_process(exit_code(main, debug="--debug" in sys.argv[1:]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--overwrite", action="store_true", help="replace the run that run_dir=... holds"
     )
+    ap.add_argument("--debug", action="store_true", help="print the full trace of a failure")
     ap.add_argument(
         "--torch-threads",
         type=int,
@@ -150,4 +152,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    end_process(exit_code(main))
+    end_process(exit_code(main, debug="--debug" in sys.argv[1:]))

@@ -124,3 +124,19 @@ def test_a_dead_server_is_one_line_naming_the_endpoint_and_the_step(tmp_path: Pa
         f"agentrl: error: inference server {url} failed before the first step"
     )
     assert errors[0].endswith("; --debug for the full trace")
+
+
+def test_rollout_against_a_dead_server_is_one_line(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "rollout", "arith-v0", "--endpoint", url,
+         "--num-tasks", "2", "--tokenizer", "tiny", "--out", str(tmp_path / "out.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"agentrl: error: inference server {url} does not answer /health (is it running? check "
+        "inference.endpoints)"
+    ), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr

@@ -405,6 +405,12 @@ async def _rollout(args: argparse.Namespace) -> int:
             build_tiny_tokenizer() if name in PRESETS else AutoTokenizer.from_pretrained(name)
         )
         client = SGLangClient(cfg.inference.endpoints, **cfg.inference.client_options())
+        if not await client.health():  # a dead server is one line, not a table of failures
+            await client.aclose()
+            raise TrainingError(
+                f"inference server {', '.join(cfg.inference.endpoints)} does not answer /health "
+                "(is it running? check inference.endpoints)"
+            )
     else:
         from agentrl.inference.engine import LocalEngine
 

@@ -149,9 +149,8 @@ class Progress:
                 if self._cold is not None:
                     line += f" (cold start {duration(m['cold_start_s'])})"
                 self.write(line)
-            else:
-                line = f"held-out success at end {m['eval/success_rate']:.3f}"
-                self.write(f"{line} (step {int(m['step'])})")
+            else:  # every eval_every steps, and at the end
+                self.write(f"step {int(m['step'])}: held-out success {m['eval/success_rate']:.3f}")
         elif "sft/demonstrations" in m:
             self.write(
                 f"cold start on {int(m['sft/demonstrations'])} demonstrations: "
