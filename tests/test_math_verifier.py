@@ -243,7 +243,10 @@ def test_verify_async_keeps_the_loop_free() -> None:
 
     rs, worst = asyncio.run(go())
     assert [r.score for r in rs] == [1.0] * 12 + [0.0] and rs[-1].reason == "timeout"
-    assert worst < 0.1  # the loop never waited on a check (a blocked loop lags by the check)
+    # the loop never waited on a check: a blocked loop lags by the checks it ran, 1 s or more
+    # here (the timed-out one alone holds 1 s); a loaded 2-core box (other test workers, other
+    # jobs) has starved the process for up to ~0.5 s, which is no block
+    assert worst < 0.8
     # a second event loop uses the same pool
     assert asyncio.run(verify_async("\\boxed{[0,1]}", "[0,1]")).score == 1.0
 
