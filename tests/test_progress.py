@@ -221,3 +221,22 @@ def test_a_terminal_keeps_its_bars_one_per_phase() -> None:
         "cold start step 2: loss 0.500, held-out success 0.500",
         "held-out success at RL start 0.500 (cold start 3.0s)",
     ]
+
+
+def test_a_log_shows_a_stopping_check_once() -> None:
+    import io
+
+    from agentrl.loop.progress import Progress
+
+    err, out = io.StringIO(), io.StringIO()
+    progress = Progress("run", 2, stream=err, out=out, tty=False, warnings=lambda: {})
+    progress({"step": 0, "sft/step": 1, "sft/steps": 100, "sft/loss": 1.0})
+    # the cold start stops at its target between two progress lines: the check is said once,
+    # and its step's progress line comes before the evaluation that opens RL
+    progress({"step": 0, "sft/held_out_success": 0.5, "sft/step": 2, "sft/steps": 100,
+              "sft/loss": 0.5})  # fmt: skip
+    progress({"step": 0, "eval/success_rate": 0.5, "cold_start_s": 3.0})
+    progress.close()
+    lines = out.getvalue().splitlines() + err.getvalue().splitlines()
+    assert lines.count("cold start step 2: loss 0.500, held-out success 0.500") == 1, lines
+    assert any(ln.startswith("cold start 2/100 (2%): loss 0.500") for ln in lines), lines

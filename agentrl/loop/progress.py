@@ -164,7 +164,7 @@ class Progress:
             phase = self._rl if "rollout/reward_mean" in m else self._cold
             if phase is not None:
                 phase.last_step = None  # due
-            self(m)
+            self({k: v for k, v in m.items() if k != "sft/held_out_success"})  # said already
 
     def _cold_step(self, m: Mapping[str, float]) -> None:
         step, steps = int(m["sft/step"]), int(m["sft/steps"])
