@@ -28,6 +28,9 @@ def test_envs_doc_example_checks_and_its_config_loads(tmp_path: Path) -> None:
     shown = blocks("text")[0]  # the output the page shows is what the script prints
     assert out.stdout == shown
     assert "demonstration: 1.0\n" in shown and "keys shared by the splits: 0\n" in shown
+    # every scripted shortcut, partial credit included, scores below solving
+    rewards = {k: float(v) for k, v in (ln.rsplit(": ", 1) for ln in shown.splitlines()[1:-1])}
+    assert rewards.pop("demonstration") == 1.0 and max(rewards.values()) <= 0.1
     load = (
         "from agentrl.config import load_config; "
         "c = load_config('lookup.toml', imports=['lookup_env.py']); "
