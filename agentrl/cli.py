@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agentrl import __version__
+from agentrl.loop.evaluate import add_eval
+from agentrl.loop.export_run import add_export
 from agentrl.loop.jobs import add_rollout, add_train, exit_code
 from agentrl.report.build import add_report_command
 
@@ -178,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     add_train(subparsers)
     add_rollout(subparsers)
+    add_eval(subparsers)
+    add_export(subparsers)
     add_report_command(subparsers)
     return parser
 

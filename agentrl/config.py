@@ -60,6 +60,10 @@ class ModelConfig(_Section):
         local = path.startswith((".", "/", "~")) or path.count("/") > 1
         if path not in ("tiny", "tiny-moe") and local and not Path(path).expanduser().is_dir():
             raise ValueError(f"no such model directory {path}")
+        from agentrl.learner.export import not_a_model_reason
+
+        if (why := not_a_model_reason(path)) is not None:  # a run's checkpoint: name the fix
+            raise ValueError(why)
         return path
 
 
@@ -225,6 +229,12 @@ class TrainLoopConfig(_Section):
     keep_checkpoints: int | None = Field(3, ge=1)
     """Keep only this many newest checkpoints (``None``: all); resume falls back to an older
     one when the newest fails its manifest check."""
+    export: bool = True
+    """At the end of the run, write its final checkpoint as a Hugging Face model directory,
+    ``RUN_DIR/export`` (config, safetensors, tokenizer, chat template, generation config, in
+    ``model.dtype``): it loads with ``from_pretrained``, serves with ``agentrl serve --model``
+    and is SGLang's ``--model-path``. ``agentrl export RUN_DIR --step N --out DIR`` writes one
+    from any checkpoint."""
     max_wall_s: float | None = Field(None, gt=0)
     """Stop RL after this much wall time (then evaluate and summarise); it counts from the first
     RL step, so the cold start (``cold_start.max_wall_s``) and its evaluation are not in it."""

@@ -16,11 +16,11 @@
   first drains the running batch (SGLang's behaviour). Aborted requests keep the tokens the
   step in flight sampled (SGLang's do too).
 - **Routing records** of MoE models, per request: :mod:`~agentrl.inference.routing_records`.
-- **Two paths.** On CUDA (Qwen3, Qwen2, Llama) the *paged* path: paged KV cache with prefix
-  reuse, CUDA-graph decode, the learner's layer math, vectorised sampling (``paged_*.py``);
-  its exact mode (``batch_invariant``) returns the learner's exact-mode log-probs bit for bit.
-  Elsewhere (or ``paged=False``) transformers' forward over one left-padded ``DynamicCache``
-  (float32 on CPU: ~1e-6 from teacher forcing).
+- **Two paths** (:attr:`LocalEngine.path` says which and why). On CUDA (Qwen3, Qwen2, Llama,
+  Qwen3-MoE) the *paged* path: paged KV cache with prefix reuse, CUDA-graph decode, the learner's
+  layer math (MoE: :mod:`~agentrl.inference.paged_moe`); its exact mode (``batch_invariant``)
+  returns the learner's exact-mode log-probs bit for bit. Elsewhere transformers' forward over
+  one left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from teacher forcing).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ import torch
 from agentrl.errors import ServerError
 from agentrl.inference._engine_ops import Batcher, ModelRunner, Request
 from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.engine_path import choose_path
 from agentrl.inference.model_io import WeightLoader, eos_token_ids, load_model, read_safetensors_dir
 from agentrl.inference.paged_batcher import build_paged
 from agentrl.inference.paged_runner import PagedRunner
 from agentrl.inference.routing_records import RoutingRecorder, records_routing, refusal
 from agentrl.inference.sglang_api import request_problem, warn_if_truncating
 from agentrl.inference.worker import in_worker
-from agentrl.kernels.packed_body import unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,12 @@ class LocalEngine:
         weight_version: the version of the loaded weights.
         max_prefill_tokens: prompt tokens prefilled together in one step (at least one request).
         seed: seed of the shared sampling stream (requests with ``seed`` use their own).
-        paged: run the paged path (default: on CUDA when the model supports it); its options,
-            ``kv_cache_gib`` / ``kv_cache_frac`` (the KV cache budget: GiB, or a share of the
-            free device memory), ``page_size``, ``compute_dtype``, ``cuda_graphs``, ``compile``,
-            ``prefix_cache``, ``decode_steps`` (64 on CUDA, else 1), ``emulate_precision_casts``
-            (compiled layers keep eager's bf16 roundings), ``batch_invariant`` (exact mode),
-            are ``build_paged``'s.
+        paged: run the paged path (default: on CUDA when the model supports it); its options
+            (``kv_cache_gib``/``kv_cache_frac``: GiB or a share of free memory, ``page_size``,
+            ``compute_dtype``, ``cuda_graphs``, ``compile``, ``prefix_cache``, ``decode_steps``:
+            64 on CUDA, ``emulate_precision_casts``, ``batch_invariant``) are ``build_paged``'s.
         return_routed_experts: record the experts of requests that ask for them (SGLang's
-            ``--enable-return-routed-experts``); default: on for an MoE model off the paged path.
+            ``--enable-return-routed-experts``); default: on for an MoE model.
     """
 
     queues_while_paused = True  # a request sent while paused waits for resume (rollout's gate)
@@ -125,8 +123,9 @@ class LocalEngine:
         )
         batching |= dict(max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len)
         cuda = self.device.type == "cuda"
-        if paged is None:  # (routing is recorded on the transformers path only)
-            paged = cuda and unsupported_reason(model) is None and not return_routed_experts
+        self.path, self.path_reason = choose_path(model, paged, cuda)
+        """The engine's path: ``paged`` or ``transformers``; :attr:`path_reason` says why."""
+        paged = self.path == "paged"
         self._paged: PagedRunner | None = None
         self._batcher: Batcher
         if paged:
@@ -138,13 +137,16 @@ class LocalEngine:
                 batch_invariant=batch_invariant, decode_steps=decode_steps or (64 * cuda or 1)
             )
             self._paged, self._batcher = build_paged(model, random.Random(seed), **opts, **batching)
+            if self._paged.graphs_off is not None:
+                self.path_reason += f"; CUDA graphs off: {self._paged.graphs_off}"
         elif batch_invariant:
             raise ValueError("batch_invariant: needs the paged engine (a dense model on CUDA)")
         else:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._batcher = Batcher(self._runner, generator, **batching)
-        if records_routing(model, return_routed_experts, paged=paged):
+        if records_routing(model, return_routed_experts):
             self._batcher.routing = RoutingRecorder(model)
+        logger.info("engine path: %s (%s)", self.path, self.path_reason)
         self._requests = self._batcher.requests  # open requests by rid
         self._paused = False
         self._settle = False  # the next step first waits for arrivals to stop (after resume)
@@ -174,15 +176,9 @@ class LocalEngine:
         """
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_model(path_or_preset, device, dtype)
-        return cls(
-            model,
-            tokenizer,
-            max_batch_size=max_batch_size,
-            device=device,
-            dtype=dtype,
-            weight_version=weight_version,
-            return_routed_experts=return_routed_experts,
-        )
+        return cls(model, tokenizer, max_batch_size=max_batch_size, device=device, dtype=dtype,
+                   weight_version=weight_version,
+                   return_routed_experts=return_routed_experts)  # fmt: skip
 
     @property
     def weight_version(self) -> int:

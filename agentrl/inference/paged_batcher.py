@@ -37,7 +37,9 @@ from agentrl.errors import ServerError
 from agentrl.inference import prefill_graphs
 from agentrl.inference._engine_ops import Batcher, Request, StepPlan
 from agentrl.inference.kv_cache import page_bytes
+from agentrl.inference.paged_moe import slots_of
 from agentrl.inference.paged_runner import PagedRunner, RunCut
+from agentrl.inference.routing_records import StepRows
 from agentrl.inference.sampling import row_keys
 from agentrl.kernels.transfer import device_context, to_device, to_host
 
@@ -233,6 +235,9 @@ class PagedBatcher(Batcher):
         as a single step would, threw away up to a whole run: 64 rows x ~60 tokens at every
         other push on an H100).
         """
+        for record, start, rows in self.step_rows:  # (a run records no rows in super().apply)
+            record.record(start, rows)
+        self.step_rows = []
         n = len(plan.decode) + len(plan.admit)
         steps = len(tokens) // n
         if steps == 1:
@@ -294,6 +299,7 @@ class PagedBatcher(Batcher):
                 runs = runner.decode_many(meta, plan.steps, self._cut(plan), launched)
                 for req in plan.decode:
                     req.kv_len += runs.shape[0]
+                self.step_rows = self._routing_rows(plan.decode)
                 flat = to_host(runs.transpose(0, 1).reshape(2, -1)).tolist()
                 return [int(t) for t in flat[0]], flat[1]
             if plan.decode:
@@ -316,8 +322,33 @@ class PagedBatcher(Batcher):
                 req.kv_len += 1
             for req in plan.admit:
                 req.kv_len = len(req.prompt) + len(req.output_ids)
+            self.step_rows = self._routing_rows(reqs)
             both = to_host(sampled[0] if len(sampled) == 1 else torch.cat(sampled, dim=1)).tolist()
             return [int(t) for t in both[0]], both[1]
+
+    def _routing_rows(self, reqs: list[Request]) -> StepRows:
+        """The routing rows the requests that asked lack, up to their ``kv_len`` (MoE models).
+
+        Positions recorded already keep their rows (the first computation wins): a retracted
+        request reads only what it had not recorded, a reused prefix the rows its pages hold.
+        """
+        slots_rows = self.paged.routing
+        want = [
+            (r.routing, r.routing.count, r)
+            for r in reqs
+            if r.routing is not None and r.kv_len > r.routing.count
+        ]
+        if slots_rows is None or self.routing is None or not want:
+            return []
+        size = self.paged.page_size
+        slots = torch.cat([slots_of(r.pages, size, start, r.kv_len) for _, start, r in want])
+        rows = slots_rows.rows(slots).numpy()
+        found: StepRows = []
+        i = 0
+        for record, start, r in want:
+            found.append((record, start, rows[i : i + r.kv_len - start]))
+            i += r.kv_len - start
+        return found
 
 
 def step_meta(reqs: list[Request], n_decode: int, page_size: int) -> torch.Tensor:

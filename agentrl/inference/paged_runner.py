@@ -11,17 +11,16 @@
   captured once per batch-size bucket on first use and replayed: static input buffers, one
   (pinned) copy of the step's metadata to the device, one graph launch, which also samples the
   next tokens (:func:`~agentrl.inference.sampling.sample`), so a step reads back ``(2, B)``
-  numbers, not the logits. Rows of a bucket past the batch
-  write to the scratch page and are ignored.
+  numbers, not the logits. Rows of a bucket past the batch write to the scratch page.
 - **Steps without the host.** The captured step ends by advancing its own inputs (the sampled
   token is fed next, at the next position and KV slot, with the next noise key), so
   :meth:`PagedRunner.decode_many` replays it several times from one metadata copy and reads
   the tokens back once: the host's planning, copies and synchronisation are paid once per run
   of steps instead of once per token.
 - Prefill runs on the packed new tokens of every joining sequence (cached prefixes are not
-  recomputed) and keeps the logits of each sequence's last token; with CUDA graphs, up to
-  ``prefill_graph_tokens`` tokens replay a graph of their bucket
-  (:mod:`~agentrl.inference.prefill_graphs`), more run eagerly.
+  recomputed), keeping each one's last logits; with CUDA graphs, up to ``prefill_graph_tokens``
+  tokens replay a graph of their bucket (:mod:`~agentrl.inference.prefill_graphs`).
+- **Expert layers** (Qwen3-MoE): :mod:`~agentrl.inference.paged_moe` (routing kept by KV slot).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from agentrl.inference import paged_moe
 from agentrl.inference.kv_cache import PagedKVCache
 from agentrl.inference.prefill_graphs import PrefillGraphs, pack_prefill
 from agentrl.inference.sampling import row_keys, sample
@@ -46,6 +46,7 @@ from agentrl.kernels.fused_layer import (
     layer_pre,
 )
 from agentrl.kernels.matmul import mm32
+from agentrl.kernels.moe import is_sparse
 from agentrl.kernels.packed_body import unsupported_reason
 from agentrl.kernels.paged_attention import QueryBlocks, paged_attention, tile_rows
 from agentrl.kernels.transfer import to_device
@@ -66,8 +67,7 @@ class PagedRunner:
     """Prefill and decode of a supported causal LM over a :class:`PagedKVCache`.
 
     Args:
-        model: a model that :func:`~agentrl.kernels.packed_body.unsupported_reason` accepts,
-            on its device.
+        model: a model :func:`~agentrl.kernels.packed_body.unsupported_reason` accepts.
         num_pages: pages of the KV cache (the scratch page included).
         page_size: tokens per page.
         max_batch_size: most sequences decoded together.
@@ -76,19 +76,16 @@ class PagedRunner:
         cuda_graphs: capture decode steps as CUDA graphs (CUDA only).
         compile: ``torch.compile`` the per-layer functions (fused elementwise kernels).
         emulate_precision_casts: with ``compile``, keep eager's bf16 rounding between fused ops
-            (inductor's option of that name). Off by default until its GPU speed cost is
-            measured. Off, a fused SwiGLU or q/k norm rounds once where
-            the eager learner rounds twice (one layer on a CPU: 9.7e-3 from the learner's
-            log-probs, 1e-6 with it on); fused float32 reductions still round now and then
-            differently from eager ones.
+            (inductor's option; off by default). Off, a fused SwiGLU or q/k norm rounds once where
+            the eager learner rounds twice (one CPU layer: 9.7e-3 from the learner's log-probs,
+            1e-6 with it on); fused float32 reductions still round differently now and then.
         batch_invariant: the exact mode (:mod:`agentrl.kernels.invariant`): matmuls, norms,
             attention tiles and the sampled tokens' log-probs through batch-invariant kernels,
             so a token's log-prob equals, bit for bit, what the learner's exact mode computes
             for it (CUDA, bf16 or fp16 ``compute_dtype``). Layers run uncompiled.
         fuse_seams: cut the layers at attention (:func:`~agentrl.kernels.fused_layer.layer_mid`:
-            one layer's half after attention with the next one's before, the KV write
-            included), so that compiled, a layer boundary is no kernel boundary; off: one
-            function per half-layer and the KV write apart (for ``benchmarks/decode_kernels.py``).
+            one layer's half after attention with the next one's before, KV write included), so
+            a compiled layer boundary is no kernel boundary; off: one function per half-layer.
         prefill_graph_tokens: with ``cuda_graphs``, prefills of up to this many tokens replay
             CUDA graphs (0: every prefill runs eagerly).
     """
@@ -109,13 +106,15 @@ class PagedRunner:
         fuse_seams: bool = True,
         prefill_graph_tokens: int = 0,
     ) -> None:
-        reason = unsupported_reason(model)
+        reason = unsupported_reason(model, moe=True)
         if reason is not None:
             raise ValueError(f"model: the paged engine does not support {reason}")
         self.exact = batch_invariant
         cfg: Any = model.config
         self.model = model
         self.base: Any = model.base_model
+        if batch_invariant and any(is_sparse(layer.mlp) for layer in self.base.layers):
+            raise ValueError("batch_invariant: dense models only (this one has expert layers)")
         self.device = next(model.parameters()).device
         self.eps = float(cfg.rms_norm_eps)
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -139,6 +138,11 @@ class PagedRunner:
             max_batch_size + 1, max_pages, dtype=torch.int32, device=self.device
         )
         self.scratch_row = max_batch_size
+        # MoE: the experts each token in the KV cache chose, by KV slot; no fused seams (an
+        # expert layer's half after attention is no dense layer_post)
+        self.routing = paged_moe.RoutingSlots.of(model, num_pages * page_size, self.device)
+        fuse_seams = fuse_seams and self.routing is None
+        self._experts: list[tuple[Any, ...] | None] = []  # expert layers' router and experts
         self._weights: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
         self._head: torch.Tensor | None = None
         self._refresh: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -167,7 +171,13 @@ class PagedRunner:
             options: dict[str, Any] = {"emulate_precision_casts": emulate_precision_casts}
             fns = [torch.compile(f, dynamic=True, options=options) for f in fns]
         self._fns = fns
+        self._attn_out: Callable[..., Any] = paged_moe.attention_out
+        if compile and not batch_invariant:
+            self._attn_out = torch.compile(self._attn_out, dynamic=True, options=options)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        off = paged_moe.graphs_unavailable(model, self.dtype, self.device)
+        self.graphs_off = off if self.cuda_graphs else None  # why asked-for graphs are off
+        self.cuda_graphs = self.cuda_graphs and self.graphs_off is None
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_batch_size]
         self.buckets.append(max_batch_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -231,14 +241,19 @@ class PagedRunner:
                 self.eps,
                 self.sizes,
             )
-            post = (
+            post: tuple[Any, ...] = (
                 fused(att.o_proj.weight),
                 None if att.o_proj.bias is None else fused(att.o_proj.bias),
                 layer.post_attention_layernorm.weight,
-                fused(mlp.gate_proj.weight, mlp.up_proj.weight),
-                fused(mlp.down_proj.weight),
-                self.eps,
             )
+            sparse = is_sparse(mlp)  # (its post: attention_out's arguments; the experts apart)
+            self._experts.append(paged_moe.moe_post(mlp, fused) if sparse else None)
+            if not sparse:
+                post += (
+                    fused(mlp.gate_proj.weight, mlp.up_proj.weight),
+                    fused(mlp.down_proj.weight),
+                )
+            post += (self.eps,)
             self._weights.append((pre, post))
         self._head = fused(self.model.get_output_embeddings().weight)
         self._refresh = ([d for d, _ in pairs], [s for _, s in pairs])
@@ -273,11 +288,17 @@ class PagedRunner:
                 )
             return last(x, attend(len(w) - 1, q), w[-1][1], self.base.norm.weight, self.eps)
         pre_fn, post_fn = self._fns
+        routed = 0  # expert layers so far (their routing records)
         for i, (pre, post) in enumerate(w):
             q, kk, vv = pre_fn(x, cos, sin, *pre)
             k[i].index_copy_(0, slots, kk)
             v[i].index_copy_(0, slots, vv)
-            x = post_fn(x, attend(i, q), *post)
+            if (experts := self._experts[i]) is None:
+                x = post_fn(x, attend(i, q), *post)
+                continue
+            x, h = self._attn_out(x, attend(i, q), *post)
+            x = paged_moe.moe_block(x, h, experts, self.routing, routed, slots)
+            routed += 1
         norm = invariant.rms_norm if self.exact else _rms_norm
         return norm(x, self.base.norm.weight, self.eps)
 

@@ -10,7 +10,9 @@ base64 of the int32 array, flattened by token, layer, top-k slot.
 ``routed_experts_start_len`` on (SGLang's; a multi-turn episode knows the earlier ones): the rows
 before it are -1 in ``GenerateOutput`` and not sent on the wire.
 
-How the embedded engine fills it (:class:`RoutingRecorder`, :class:`RequestRouting`):
+How the embedded engine fills it (:class:`RoutingRecorder`, :class:`RequestRouting`; the paged
+path reads each step's rows from the routing it keeps by KV slot instead of hooks, with the same
+rules: :mod:`~agentrl.inference.paged_moe`):
 
 - A step that carries at least one request which asked runs under
   :class:`~agentrl.routing.RoutingCapture`; the router rows are split per request: a decode step
@@ -70,19 +72,17 @@ def refusal(model: Any, enabled: bool, start: int = 0, prompt_len: int = 0) -> s
     return None
 
 
-def records_routing(model: Any, requested: bool | None, *, paged: bool) -> bool:
+def records_routing(model: Any, requested: bool | None) -> bool:
     """Whether an engine records routing: ``requested``, or by default for an MoE model.
 
     Raises:
-        ConfigError: recording was requested for a dense model or on the paged path.
+        ConfigError: recording was requested for a dense model.
     """
     if requested is None:
-        return is_moe(model) and not paged
+        return is_moe(model)
     dense = None if is_moe(model) else refusal(model, enabled=True)
     if requested and dense:
         raise ConfigError(dense)
-    if requested and paged:
-        raise ConfigError("return_routed_experts: the paged path records no routing")
     return requested
 
 

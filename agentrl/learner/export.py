@@ -4,15 +4,25 @@
 for an engine (a state dict in memory, or a Hugging Face directory for SGLang's
 ``update_weights_from_disk``) and saves/restores the full training state (model, optimizer, RNG,
 step count) so that a resumed run continues exactly. Under FSDP every rank calls each method.
+
+With no learner and no process group, :func:`checkpoint_weights` consolidates the model of a
+saved checkpoint (the FSDP shards of any number of ranks) under Hugging Face names and
+:func:`write_pretrained` writes it as a model directory through transformers' own
+``save_pretrained`` (shards, tied weights, MoE experts in the checkpoint layout SGLang reads):
+what ``agentrl export`` does (:mod:`agentrl.loop.export_run`).
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import PreTrainedModel
 
 from agentrl.learner.checkpoint import (
@@ -129,3 +139,118 @@ class LearnerWeights(ABC):
             world_size=self.world_size,
         )
         self.num_steps = int(meta["num_steps"])
+
+
+# What training state files hold the model under: the top-level ``model`` entry of
+# :func:`~agentrl.learner.checkpoint.save_training_state`, then the log-prob wrapper's ``model``.
+_PREFIX = "model.model."
+
+
+def not_a_model_reason(path: str | Path) -> str | None:
+    """Why the directory ``path`` is a training checkpoint or run, not a model (``None``: neither).
+
+    A run's checkpoint (``MANIFEST``, ``learner/``) or run directory (``config.yaml``,
+    ``checkpoints/``) has no ``config.json``; transformers would fail on it with "Unrecognized
+    model", so callers say this instead.
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir() or (p / "config.json").exists():
+        return None
+    if (p / "learner").is_dir() or (p / "MANIFEST").exists():
+        what = "a training checkpoint"
+    elif (p / "config.yaml").exists() and (p / "checkpoints").is_dir():
+        what = "a run directory"
+    else:
+        return None
+    return (
+        f"{path} is {what}, not a Hugging Face model directory; write one with "
+        f"`agentrl export {path} --out DIR` and use DIR"
+    )
+
+
+def checkpoint_weights(learner_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights of a saved training state under Hugging Face names, full size.
+
+    ``learner_dir`` is what :meth:`LearnerWeights.save_checkpoint` wrote (``CKPT/learner``),
+    from one process or many: ``torch.distributed.checkpoint`` reads the shards of every rank
+    into whole tensors in this process (``no_dist``). Tensors keep their saved dtype (the
+    learner's float32 master weights). The optimizer state is not read.
+
+    Raises:
+        ValueError: the checkpoint holds no model, or its metadata claims more bytes than its
+            files hold (read before anything is allocated).
+    """
+    root = Path(learner_dir)
+    meta = FileSystemReader(str(root)).read_metadata()
+    shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for key, value in meta.state_dict_metadata.items():
+        if key.startswith(_PREFIX) and isinstance(value, TensorStorageMetadata):
+            shapes[key] = (value.size, value.properties.dtype)
+    if not shapes:
+        raise ValueError(f"{root} holds no model weights")
+    need = sum(s.numel() * torch.empty((), dtype=d).element_size() for s, d in shapes.values())
+    have = sum(f.stat().st_size for f in root.glob("*.distcp"))
+    if need > have:  # bounded before allocating: the data must be on disk
+        raise ValueError(
+            f"{root}: its metadata claims {need} bytes of weights, its files hold {have}"
+        )
+    template = {k[len("model.") :]: torch.empty(s, dtype=d) for k, (s, d) in shapes.items()}
+    with warnings.catch_warnings():  # one process is the intended case here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": template}, checkpoint_id=str(root), no_dist=True)
+    return {k[len("model.") :]: v for k, v in template.items()}
+
+
+def write_pretrained(
+    skeleton: PreTrainedModel,
+    weights: dict[str, torch.Tensor],
+    out: str | Path,
+    *,
+    dtype: torch.dtype,
+    tokenizer: Any | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Write ``weights`` as a Hugging Face model directory of ``skeleton``'s architecture.
+
+    Args:
+        skeleton: the model built from the run's config, typically on the ``meta`` device (its
+            weights are replaced, never read; its generation config is saved).
+        weights: full tensors under ``skeleton``'s own names (:func:`checkpoint_weights`).
+        out: the directory (created; files in it are overwritten).
+        dtype: the dtype of the written tensors and of ``config.dtype``.
+        tokenizer: saved alongside (its chat template included).
+        max_shard_size: the largest safetensors file (more files and an index past it).
+
+    Raises:
+        ValueError: the names or shapes of ``weights`` are not the model's.
+    """
+    from transformers.utils import logging as hf_logging
+
+    own = skeleton.state_dict()
+    missing = sorted(set(own) - set(weights))
+    extra = sorted(set(weights) - set(own))
+    if missing or extra:
+        raise ValueError(
+            "the checkpoint does not hold this model's weights "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written by another model?"
+        )
+    for name, value in own.items():
+        if tuple(weights[name].shape) != tuple(value.shape):
+            raise ValueError(
+                f"{name}: the checkpoint has shape {tuple(weights[name].shape)}, the model "
+                f"{tuple(value.shape)}"
+            )
+    cast = {k: v.to(dtype) for k, v in weights.items()}
+    skeleton.load_state_dict(cast, strict=True, assign=True)
+    skeleton.tie_weights()  # assign gave the tied head a tensor of its own
+    skeleton.config.dtype = dtype
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # library code prints nothing
+    try:
+        skeleton.save_pretrained(out, max_shard_size=max_shard_size)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return Path(out)

@@ -36,6 +36,7 @@ from agentrl.loop import ranks as dist_ranks
 from agentrl.loop import stop
 from agentrl.loop.atomic import append_bytes, disk_errors, replace_file
 from agentrl.loop.cold_start import of_trainer as run_cold_start
+from agentrl.loop.export_run import export_final
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
 from agentrl.loop.placement import (
@@ -57,6 +58,7 @@ from agentrl.loop.resume import (
 )
 from agentrl.loop.run_dir import prepare
 from agentrl.loop.summary import summarise
+from agentrl.pass_at_k import eval_metrics
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
 from agentrl.types import Group, Task, Trajectory
@@ -192,20 +194,18 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     async def evaluate(self) -> dict[str, float]:
-        """Held-out success (pass@1 over ``eval_samples`` samples per task), turns, tool calls."""
+        """Held-out success (pass@1 over ``eval_samples`` samples per task), turns, tool calls.
+
+        With ``eval_samples`` K > 1 also ``eval/pass@1`` .. ``eval/pass@K`` and ``eval/avg@K``,
+        as ``agentrl eval`` reports them (:func:`~agentrl.pass_at_k.eval_metrics`).
+        """
         groups = await self.ranks.run_groups(
             self.evaluator, self.make_env, self.eval_tasks, env_id=self.config.env.id,
             seed_offset=EVAL_SEED_OFFSET,
         )  # fmt: skip
-        m = rollout_metrics(groups, success_threshold=self.config.rollout.success_threshold)
-        calls = [t.tool_calls for g in groups for t in g.trajectories]
-        return {
-            "eval/success_rate": m["rollout/success_rate"],
-            "eval/reward_mean": m["rollout/reward_mean"],
-            "eval/turns_mean": m["rollout/turns_mean"],
-            "eval/tool_calls_mean": sum(calls) / len(calls),
-            "eval/tool_use_frac": sum(c > 0 for c in calls) / len(calls),
-        }
+        threshold, k = self.config.rollout.success_threshold, self.config.train.eval_samples
+        m = eval_metrics(groups, success_threshold=threshold, pass_at=k > 1)
+        return {f"eval/{key}": v for key, v in m.items()}
 
     async def cold_start(self) -> dict[str, float]:
         """Supervised warm-up on demonstrated episodes of training tasks (skipped at 0 steps)."""
@@ -493,4 +493,6 @@ class Trainer:
         end = await self.evaluate()
         self.log(end)
         self.save_checkpoint()
+        if cfg.export and self.ranks.is_main:  # RUN_DIR/export, from the checkpoint just sealed
+            export_final(self.run_dir, self.step)
         return summarise(self, start, end, t_start, t_rl)
