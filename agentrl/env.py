@@ -64,6 +64,15 @@ class Env(ABC):
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
         """Start an episode on ``task``; return the first messages and an info dict."""
 
+    def turn_max_new_tokens(self, turn: int) -> int | None:
+        """The most tokens the agent may sample in assistant turn ``turn`` (0-based).
+
+        ``None`` (the default): ``rollout.max_new_tokens``. A value lowers that turn's budget
+        (short answers expected, a benchmark's set turn lengths); ``rollout.max_new_tokens`` and
+        the context budget still bound it. Asked once per turn, before its request.
+        """
+        return None
+
     @abstractmethod
     async def step(self, action: str) -> StepResult:
         """Apply the assistant's text ``action``; return observation, reward and end flags."""

@@ -17,6 +17,14 @@ Prints a table, then as the last line one JSON object with the headline figures:
 `batching_speedup_64` = engine tokens/s with 64 concurrent requests / sequential `model.generate`
 tokens/s (one request at a time).
 
+Long contexts (``--history-tokens 8192 --turns 16``): ``--history-episodes`` episodes at once,
+each a history of that many tokens prefilled first (cold prefill tokens/s), then ``--turns``
+turns that re-send the whole conversation with ``--obs-tokens`` more each turn: generated
+tokens/s over the turns (their observation prefills included), the share of re-sent tokens the
+prefix cache served (the engine's ``cached_tokens`` / ``computed_tokens``), the KV budget against
+what the episodes need, and peak memory. An episode longer than the whole KV cache is refused
+before any work, with one line (the engine itself refuses such a request with a 400).
+
     python benchmarks/engine_throughput.py                       # CPU, tiny model
     python benchmarks/engine_throughput.py --model qwen3-0.6b-shape --new-tokens 256
 """
@@ -35,6 +43,7 @@ from typing import Any
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from agentrl.errors import ServerError
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny
@@ -145,6 +154,76 @@ async def multi_turn(
     return args.episodes / elapsed, [d[0] for d in done], [d[1] for d in done]
 
 
+def check_fits(engine: LocalEngine, args: argparse.Namespace) -> tuple[int, int]:
+    """KV cache tokens and one long episode's tokens; exits with one line if it cannot fit."""
+    if engine._paged is None:
+        raise SystemExit("error: --history-tokens needs the paged engine (CUDA, or --paged)")
+    cache = engine._paged.cache
+    capacity = (cache.num_pages - 1) * cache.page_size  # the scratch page holds nothing
+    episode_len = args.history_tokens + args.turns * (args.turn_tokens + args.obs_tokens)
+    if episode_len > capacity or episode_len > engine.max_model_len:
+        raise SystemExit(
+            f"error: an episode of {episode_len} tokens does not fit the KV cache "
+            f"({capacity} tokens) or the context ({engine.max_model_len}): lower --history-tokens"
+            " or --turns, or raise --kv-cache-gib"
+        )
+    return capacity, episode_len
+
+
+async def long_context(engine: LocalEngine, args: argparse.Namespace, vocab: int) -> dict:
+    """``--history-tokens``: cold prefill of long histories, then ``--turns`` turns on top."""
+    runner = engine._paged
+    assert runner is not None
+    cache = runner.cache
+    capacity, episode_len = check_fits(engine, args)
+    gen = torch.Generator().manual_seed(11)
+    n = args.history_episodes
+    histories = torch.randint(3, vocab, (n, args.history_tokens), generator=gen).tolist()
+    first = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.turn_tokens, temperature=1.0, ignore_eos=True)
+    device = str(runner.device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    start = time.perf_counter()
+    await asyncio.gather(*(engine.generate(h, first) for h in histories))
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    obs = [[torch.randint(3, vocab, (args.obs_tokens,), generator=gen).tolist()
+            for _ in range(args.turns)] for _ in range(n)]  # fmt: skip
+    before = engine.prefill_stats()
+
+    async def episode(i: int) -> None:
+        ids = list(histories[i])
+        for turn in range(args.turns):
+            out = await engine.generate(list(ids), params)
+            ids += out.output_ids + obs[i][turn]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(episode(i) for i in range(n)))
+    sync(device)
+    turns_s = time.perf_counter() - start
+    after = engine.prefill_stats()
+    total = after["tokens"] - before["tokens"]
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    return {
+        "history_tokens": args.history_tokens,
+        "history_turns": args.turns,
+        "history_episodes": n,
+        "history_prefill_tokens_per_s": round(n * args.history_tokens / prefill_s, 1),
+        "history_decode_tokens_per_s": round(n * args.turns * args.turn_tokens / turns_s, 1),
+        "history_prefill_tokens": total,
+        "history_cached_tokens": cached,
+        "history_computed_tokens": after["computed_tokens"] - before["computed_tokens"],
+        "history_prefix_reuse_frac": round(cached / max(total, 1), 4),
+        "kv_cache_gib": round((cache.k.nbytes + cache.v.nbytes) / 2**30, 3),
+        "kv_cache_tokens": capacity,
+        "kv_tokens_needed": n * episode_len,
+        "history_peak_mem_gib": round(peak, 3),
+    }
+
+
 def learner_mismatch(
     model: Any, finals: list[list[int]], outs: list[list[Any]], exact: bool = False
 ) -> tuple[float, list[float], list[float]]:
@@ -208,6 +287,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"compute_dtype": torch.bfloat16} if cuda else {}
     if args.paged:
         kw["paged"] = True
+    if args.kv_cache_gib is not None:
+        kw["kv_cache_gib"] = args.kv_cache_gib
     kw["emulate_precision_casts"] = args.emulate_precision_casts
     engine_model = copy.deepcopy(model)  # the engine owns its copy; the learner reads model
     steps = [int(k) for k in args.decode_steps.split(",")] if args.decode_steps else []
@@ -216,6 +297,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = LocalEngine(
         engine_model, tokenizer, max_batch_size=max(levels), seed=0, compile=args.compile, **kw
     )
+    if args.history_tokens:  # refused before any work
+        check_fits(engine, args)
     await bench_engine(engine, prompts(2, args.prompt_len, vocab, 99), 4, device)  # warm-up
     hf_tps = float("nan")
     if args.hf_requests:
@@ -247,7 +330,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             compare[str(k)][level], _ = await bench_engine(other, batch, args.new_tokens, device)
         await other.aclose()
     turns: dict[str, Any] = {}
-    if args.turns and engine.paged:
+    if args.history_tokens:  # the long-context episodes replace the short multi-turn mode
+        turns = await long_context(engine, args, vocab)
+        await engine.aclose()
+    elif args.turns and engine.paged:
         before = engine.prefill_stats()
         eps_reuse, finals, outs_mt = await multi_turn(engine, args, vocab)
         after = engine.prefill_stats()
@@ -349,6 +435,12 @@ def main() -> None:
     parser.add_argument("--obs-tokens", type=int, default=32, help="observation between turns")
     parser.add_argument("--turn-tokens", type=int, default=64, help="new tokens per turn")
     parser.add_argument("--episodes", type=int, default=64, help="multi-turn episodes at once")
+    parser.add_argument("--history-tokens", type=int, default=0,
+                        help="long-context mode: history tokens per episode (0: off)")
+    parser.add_argument("--history-episodes", type=int, default=8,
+                        help="long-context mode: episodes at once")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache budget (default: the engine's share of free memory)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the engine layers")
     parser.add_argument("--paged", action="store_true", help="the paged path on CPU too")
     parser.add_argument(
@@ -369,7 +461,15 @@ def main() -> None:
         "that name; off by default) instead of once per fused op",
     )
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    for name in ("history_tokens", "turns", "obs_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}: expected >= 0, got {getattr(args, name)}")
+    if args.history_episodes < 1 or args.turn_tokens < 1:
+        parser.error("--history-episodes and --turn-tokens: expected >= 1")
+    try:
+        result = asyncio.run(run(args))
+    except ServerError as e:  # a request the engine refused (too long for its KV cache)
+        raise SystemExit(f"error: {e}") from None
     print(json.dumps(result))
 
 

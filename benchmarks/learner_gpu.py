@@ -37,6 +37,13 @@ reference (transformers body, float32 everything) from the same weights and batc
 
 MFU = 6 x parameters x tokens/s / the card's measured bf16 matmul peak (8192^3 matmul).
 
+Long sequences (``--seq-lens 8192 16384 32768``): one variant (``--long-variant``) on batches of
+``--long-tokens`` tokens made of sequences of exactly each length (a ``--prompt-len`` prompt and a
+trained response filling the rest); the micro-batch is raised to the length where it is shorter,
+so every sequence is whole in one micro-batch. Prints tokens/s, MFU with and without attention
+(:func:`train_flops`, prime-rl's convention) and peak memory per length, beside prime-rl's
+published 11.9k tokens/s (MFU 11%) for Qwen3-0.6B at 16k on one H100.
+
 Usage: ``python benchmarks/learner_gpu.py [--variants ...] [--no-trl]``
 (``--model tiny`` runs the same code on a CPU in seconds, for a smoke test).
 """
@@ -87,6 +94,37 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "packed+bf16head+compile+ckpt-half": dict(FAST, checkpoint_layers=-2),
 }
 HEADLINE = "packed+bf16head+compile"
+PEAK_BF16_TFLOPS = 989.4  # H100 SXM dense bf16 (no sparsity); the H200 has the same compute
+PRIME_RL_16K_TOKENS_PER_S = 11_900.0  # prime-rl's baseline: Qwen3-0.6B, 16k, one H100, MFU 11%
+
+
+def train_flops(config: Any, seq_len: int, loss_tokens: int) -> tuple[float, float]:
+    """(matmul, attention) FLOPs of one training step (forward + backward) over one sequence.
+
+    Model FLOPs, as prime-rl and PaLM count them: a matmul is 2 FLOPs per multiply-add forward
+    and twice that backward (input and weight gradients), so training = 3x forward; recomputation
+    (selective recompute, checkpointing, FlashAttention's backward) is not counted, so MFU does
+    not rise when a run recomputes more.
+
+    * matmuls: 6 x the matmul weights a token meets: per layer q (hidden x heads*head_dim), k and
+      v (hidden x kv_heads*head_dim each), o (heads*head_dim x hidden), the SwiGLU MLP
+      (3 x hidden x intermediate); plus the LM head (vocab x hidden) on the ``loss_tokens`` the
+      learner's head runs on (only trained positions). Embedding lookups and norms: none.
+    * attention, causal: query i scores keys 0..i, so per layer and head the forward's Q K^T
+      costs 2 * head_dim * (1 + 2 + ... + T) = head_dim * T(T+1) FLOPs and P V as much again;
+      training: 3 * L * heads * 2*head_dim * T(T+1). For Qwen3-0.6B at 16k that is 5.64 GFLOP a
+      token, what prime-rl's ``12 * L * hidden * T`` gave there, whose 11% MFU at 11.9k tokens/s
+      it reproduces (6 x 596M + 5.64 GFLOP = 9.21 GFLOP/token; 109.6 of 989.4 TFLOP/s). Later
+      prime-rl counts the full square (2x this); this keeps the causal half, the work done.
+    """
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    hidden, dim = config.hidden_size, config.head_dim
+    kv = config.num_key_value_heads
+    per_layer = 2 * hidden * heads * dim + 2 * hidden * kv * dim
+    per_layer += 3 * hidden * config.intermediate_size
+    matmul = 6.0 * (layers * per_layer * seq_len + config.vocab_size * hidden * loss_tokens)
+    attention = 3.0 * layers * heads * (dim + dim) * seq_len * (seq_len + 1)
+    return matmul, attention
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> Qwen3ForCausalLM:
@@ -169,12 +207,16 @@ def learner_config(
 
 
 def run_variant(
-    args: argparse.Namespace, init: dict[str, torch.Tensor], samples: list[TrainSample], name: str
+    args: argparse.Namespace,
+    init: dict[str, torch.Tensor],
+    samples: list[TrainSample],
+    name: str,
+    **extra: Any,
 ) -> dict[str, Any]:
     device = args.device
     model = build_model(args, device)
     model.load_state_dict(init)
-    learner = Learner(model, learner_config(args, VARIANTS[name]))
+    learner = Learner(model, learner_config(args, {**VARIANTS[name], **extra}))
     batch = with_engine_logprobs(learner, samples)
     t0 = time.perf_counter()
     first = learner.step(batch)  # warm-up (compiles), and the first step's figures
@@ -197,7 +239,7 @@ def run_variant(
     step_s = statistics.median(times)
     return dict(
         step_s=step_s,
-        tokens_per_s=args.tokens / step_s,
+        tokens_per_s=sum(len(s.tokens) for s in samples) / step_s,
         peak_gib=peak,
         warmup_s=warm_s,
         first_loss=first["loss/policy"],
@@ -269,6 +311,59 @@ def run_trl(
     )
 
 
+def run_long(args: argparse.Namespace, init: dict[str, torch.Tensor], machine: str) -> None:
+    """``--seq-lens``: the variant on sequences of each length; a table and the JSON line."""
+    config = build_model(args, torch.device("meta")).config
+    cuda = args.device.type == "cuda"
+    spec = cuda and any(k in machine for k in ("H100", "H200"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    peak = PEAK_BF16_TFLOPS if spec else peak_matmul_tflops(args.device, dtype)
+    g = torch.Generator().manual_seed(0)
+    rows: dict[str, dict[str, Any]] = {}
+    for length in args.seq_lens:
+        n = max(1, args.long_tokens // length)
+        prompts = [torch.randint(3, config.vocab_size, (args.prompt_len,), generator=g).tolist()]
+        completions = [torch.randint(3, config.vocab_size, (length - args.prompt_len,),
+                                     generator=g).tolist() for _ in range(n)]  # fmt: skip
+        samples = samples_for(prompts * n, completions, torch.randn(n, generator=g).tolist())
+        variant_micro = VARIANTS[args.long_variant].get("micro_batch_tokens", 0)
+        micro = max(variant_micro or args.micro_batch_tokens, length)  # whole sequences
+        r = run_variant(args, init, samples, args.long_variant, micro_batch_tokens=micro)
+        matmul, attention = train_flops(config, length, length - args.prompt_len)
+        achieved = r["tokens_per_s"] / length  # sequences/s
+        rows[str(length)] = {
+            "sequences": n,
+            "micro_batch_tokens": micro,
+            "tokens_per_s": round(r["tokens_per_s"], 1),
+            "step_s": round(r["step_s"], 4),
+            "mfu": round((matmul + attention) * achieved / (peak * 1e12), 4),
+            "mfu_no_attention": round(matmul * achieved / (peak * 1e12), 4),
+            "attention_flops_frac": round(attention / (matmul + attention), 4),
+            "peak_mem_gib": round(r["peak_gib"], 3),
+            "warmup_s": round(r["warmup_s"], 1),
+        }
+        print(f"# {length}: {rows[str(length)]}", flush=True)
+    print(f"\ncard: {machine}; peak {peak:.1f} TFLOP/s ({'spec' if spec else 'measured'})")
+    print(f"variant {args.long_variant}; {args.long_tokens} tokens per update")
+    print(f"{'seq len':>8}{'seqs':>6}{'tokens/s':>11}{'MFU':>8}{'MFU no attn':>13}{'peak GiB':>10}")
+    for length, row in rows.items():
+        print(f"{length:>8}{row['sequences']:>6}{row['tokens_per_s']:>11.0f}{row['mfu']:>8.3f}"
+              f"{row['mfu_no_attention']:>13.3f}{row['peak_mem_gib']:>10.2f}")  # fmt: skip
+    at16k = rows.get("16384", {}).get("tokens_per_s")
+    print(json.dumps({
+        "benchmark": "learner_long",
+        "variant": args.long_variant,
+        "long_tokens": args.long_tokens,
+        "seq_lens": rows,
+        "prime_rl_16k_tokens_per_s": PRIME_RL_16K_TOKENS_PER_S,
+        "speedup_vs_prime_rl_16k": round(at16k / PRIME_RL_16K_TOKENS_PER_S, 3) if at16k else None,
+        "peak_tflops": peak,
+        "peak_source": "spec" if spec else "measured",
+        "card": machine,
+        "torch": torch.__version__,
+    }))  # fmt: skip
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["qwen3-0.6b-shape", "tiny"], default="qwen3-0.6b-shape")
@@ -284,11 +379,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
     parser.add_argument("--no-check", action="store_true", help="skip the float32 first-step check")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[],
+                        help="long-sequence mode: tokens per sequence, e.g. 8192 16384 32768")
+    parser.add_argument("--long-tokens", type=int, default=65536,
+                        help="long-sequence mode: tokens per update (at least one sequence)")
+    parser.add_argument("--long-variant", default="packed+bf16head+compile+sel",
+                        choices=list(VARIANTS))  # fmt: skip
     args = parser.parse_args()
     args.device = torch.device(args.device)
     if args.model == "tiny":
         args.prompt_len, args.response_min, args.response_max = 16, 8, 64
         args.micro_batch_tokens, args.chunk_size = 256, 64
+    longest = 1024 if args.model == "tiny" else QWEN3_0_6B_SHAPE["max_position_embeddings"]
+    for length in args.seq_lens:  # bounded before any allocation
+        if not args.prompt_len < length <= longest:
+            parser.error(f"--seq-lens: expected {args.prompt_len} < length <= {longest} "
+                         f"(prompt < sequence <= the model's context), got {length}")  # fmt: skip
+    if args.long_tokens < 1:
+        parser.error(f"--long-tokens: expected >= 1, got {args.long_tokens}")
     return args
 
 
@@ -300,12 +408,15 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     args.num_layers = model.config.num_hidden_layers
     del model
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    if args.seq_lens:
+        run_long(args, init, machine)
+        return
     batch = make_batch(args, 107 if args.model == "tiny" else QWEN3_0_6B_SHAPE["vocab_size"])
     samples = samples_for(*batch)
     args.tokens = sum(len(s.tokens) for s in samples)
     peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak_tflops = peak_matmul_tflops(device, peak_dtype)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
     def mfu(tokens_per_s: float) -> float:
         return 6 * num_params * tokens_per_s / (peak_tflops * 1e12)

@@ -1,6 +1,7 @@
 """Code agent: write a program, see failing public tests, revise; rewarded on hidden tests.
 
     python recipes/code_agent.py --preset cpu-tiny           # CPU smoke run of the whole loop
+    python recipes/code_agent.py --preset gpu-small           # one GPU, 25M model, < 10 min
     python recipes/code_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
 
 Reads top to bottom: the config (a preset plus ``--section.key=value`` overrides), the sandbox
@@ -9,6 +10,15 @@ limits), then the trainer. ``cpu-tiny`` runs the full loop (multi-turn code-v0, 
 GSPO updates) on a tiny model in minutes; a 0.6M-parameter model does not learn to code, so it
 is a plumbing check, not a learning demo. ``qwen3-1.7b`` trains on HumanEval's train split
 (every fifth problem is held out) on a GPU host.
+
+``gpu-small`` (one GPU, no download, like math_agent's): a 25M-parameter Qwen3-shape model built
+from config cannot write HumanEval code, so it trains on ``code-fn-v0``, defined here: code-v0
+(same multi-turn env, sandbox and public/hidden tests) on generated one-line function tasks,
+"write `name(x)` that adds 7 to x and then multiplies by 3", whose words the model must turn
+into the right expression (``(x + 7) * 3``). A cold start on demonstrated solutions, then GSPO;
+the held-out tasks are new names and numbers. What it can show: that the model learns the
+word-to-code mapping and the fenced format, and the loop's speed with a sandbox in it; not
+that it learns to program.
 """
 
 from __future__ import annotations
@@ -16,13 +26,59 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import random
 import sys
 from typing import Any
 
 from agentrl.config import load_config
+from agentrl.env import register
+from agentrl.envs.code import CodeEnv
 from agentrl.loop.jobs import exit_code, run_training
 from agentrl.rollout.watchdog import end_process
+from agentrl.types import Task
 from agentrl.verifiers.sandbox import default_sandbox
+
+# -------------------------------------------------------------------------------- tasks
+NAMES = ("f", "g", "h", "calc", "apply", "step", "shift", "scale", "mix", "turn")
+OPS = (("adds {k} to x", "x + {k}"), ("subtracts {k} from x", "x - {k}"),
+       ("multiplies x by {k}", "x * {k}"))
+THEN = (("adds {k}", "+"), ("subtracts {k}", "-"), ("multiplies by {k}", "*"))
+SHORT_SYSTEM = "Answer with the whole program in one ```python block."
+
+
+def function_task(rng: random.Random, i: int, split: str) -> Task:
+    """A generated task: a one-line function of x, two public and three hidden asserts."""
+    name, (first, expr), (then, op) = rng.choice(NAMES), rng.choice(OPS), rng.choice(THEN)
+    a, b = rng.randint(1, 99), rng.randint(1, 99)  # 882k tasks: held-out ones are new
+    body = f"({expr.format(k=a)}) {op} {b}"
+    code = f"def {name}(x):\n    return {body}\n"
+    calc = {"+": lambda u, v: u + v, "-": lambda u, v: u - v, "*": lambda u, v: u * v}
+
+    def asserts(xs: tuple[int, ...]) -> list[dict[str, str]]:
+        want = [calc[op](calc[expr[2]](x, a), b) for x in xs]  # expr[2]: its operator
+        return [{"assert": f"assert {name}({x}) == {w}"} for x, w in zip(xs, want, strict=True)]
+
+    prompt = f"Write a Python function `{name}(x)` that {first.format(k=a)} and then "
+    prompt += f"{then.format(k=b)}."
+    data = {"public_tests": asserts((0, 1)), "hidden_tests": asserts((2, 5, -3)), "split": split}
+    return Task(id=f"fn-{split}-{i}", prompt=prompt, answer=f"```python\n{code}```", data=data)
+
+
+class FunctionCodeEnv(CodeEnv):
+    """code-v0 on generated one-line function tasks (see the module docstring)."""
+
+    @classmethod
+    def sample_tasks(
+        cls, n: int, *, seed: int = 0, split: str = "train", source: str = "functions"
+    ) -> list[Task]:
+        """``n`` generated tasks of ``split`` (seeded; train and test draw apart)."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split: expected 'train' or 'test', got {split!r}")
+        rng = random.Random(f"code-fn/{seed}/{split}")
+        return [function_task(rng, i, split) for i in range(n)]
+
+
+register("code-fn-v0", FunctionCodeEnv)
 
 # -------------------------------------------------------------------------------- config
 PRESETS: dict[str, dict[str, Any]] = {
@@ -37,6 +93,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "advantages": {"shapers": [{"name": "format", "penalty": 0.1}]},
         "learner": {"lr": 5e-5, "num_minibatches": 2},
         "train": {"steps": 4, "tasks_per_step": 4, "eval_every": 0},
+    },
+    # One GPU, no download: the 25M model of math_agent's gpu-small, the engine colocated
+    # (model.device=auto), programs run in the host's sandbox (bubblewrap where available).
+    # Two attempts: a failed public test is shown and the model may answer again.
+    "gpu-small": {
+        "name": "code-gpu-small",
+        "imports": [__file__],  # registers code-fn-v0 in any process that loads the config
+        "model": {"tiny": {"hidden_size": 512, "intermediate_size": 1536,
+                           "num_hidden_layers": 8, "num_attention_heads": 8,
+                           "num_key_value_heads": 4, "head_dim": 64}},
+        "inference": {"max_batch_size": 256, "kv_cache_frac": 0.3},
+        "env": {"id": "code-fn-v0", "kwargs": {"max_attempts": 2, "timeout_s": 5.0,
+                                               "system": SHORT_SYSTEM},
+                "num_train_tasks": 20000, "num_eval_tasks": 200},
+        "rollout": {"group_size": 8, "max_turns": 2, "max_new_tokens": 64,
+                    "max_total_tokens": 512, "temperature": 1.0, "concurrency": 512},
+        "cold_start": {"steps": 2000, "lr": 3e-4, "batch_size": 64, "target_success": 0.3,
+                       "check_every": 25, "max_wall_s": 180},
+        "learner": {"lr": 3e-5, "num_minibatches": 4, "loss": "gspo_token",
+                    "micro_batch_tokens": 16384},
+        "train": {"steps": 200, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 360},
     },
     "qwen3-1.7b": {
         "name": "code-qwen3-1.7b",

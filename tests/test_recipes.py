@@ -52,6 +52,24 @@ def test_math_recipe_tool_demo_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_math_recipe_gpu_agent_dry_run_on_cpu(tmp_path: Path) -> None:
+    """gpu-agent shrunk onto the CPU: 4-turn demonstrations with the tools, then 2 RL steps."""
+    s = run_recipe("math_agent.py", tmp_path, "model.tiny={}", "model.device=cpu",
+                   "train.steps=2", "train.tasks_per_step=2", "cold_start.steps=2",
+                   "cold_start.check_every=2", "cold_start.batch_size=4",
+                   "env.num_train_tasks=8", "env.num_eval_tasks=2", "rollout.group_size=2",
+                   "rollout.max_new_tokens=8", "inference.max_batch_size=16",
+                   "learner.micro_batch_tokens=2048", preset="gpu-agent")
+    assert s["env"] == "calc-chain-v0" and s["steps"] == 2
+    assert "cold start on 8 demonstrations: 4.0 assistant turns" in s["stdout"]
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("sft/assistant_turns_mean") == 4.0 for r in rows)
+    ends = [r for r in rows if "eval/tool_use_frac" in r]
+    assert ends and all(r["eval/turns_mean"] >= 1 for r in ends)
+    assert 0 <= s["tool_use_frac"] <= 1 and s["turns_mean"] >= 1
+
+
+@pytest.mark.slow
 def test_code_recipe_smoke(tmp_path: Path) -> None:
     run_recipe("code_agent.py", tmp_path, "train.steps=1", "train.tasks_per_step=2",
                "env.num_eval_tasks=2", "rollout.group_size=2", "rollout.max_new_tokens=24")

@@ -37,7 +37,13 @@ from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingPara
 from agentrl.rollout import observations
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.env_pool import EnvThreads, EnvThreadsStuck, reset_pool, use_pool
-from agentrl.rollout.episode import EpisodeState, checked_reset, checked_step, env_call
+from agentrl.rollout.episode import (
+    EpisodeState,
+    checked_reset,
+    checked_step,
+    checked_turn_cap,
+    env_call,
+)
 from agentrl.rollout.records import JsonlSink, rollout_metrics
 from agentrl.rollout.rollout_config import RolloutConfig
 from agentrl.rollout.watchdog import LoopWatchdog, OnStall
@@ -237,9 +243,10 @@ class RolloutEngine:
             if budget <= 0:
                 ep.truncated, ep.finish_reason = True, "max_tokens"
                 return
+            cap = checked_turn_cap(env.turn_max_new_tokens(turn), turn, cfg.max_new_tokens)
             params = replace(
                 base,
-                max_new_tokens=min(cfg.max_new_tokens, budget),
+                max_new_tokens=min(cap, budget),
                 seed=None if seed is None else (seed * 1009 + turn) % (2**31),
             )
             t = time.perf_counter()
@@ -256,7 +263,7 @@ class RolloutEngine:
                     "generation aborted by the server", endpoint=out.endpoint, rid=out.rid
                 )
             if out.finish_reason == "length" and not (env.sees_cut_turns or cfg.ignore_eos):
-                full = params.max_new_tokens == cfg.max_new_tokens  # else the context budget
+                full = cap <= budget  # else the context budget
                 ep.truncated, ep.finish_reason = True, "max_new_tokens" if full else "max_tokens"
                 return
             t = time.perf_counter()

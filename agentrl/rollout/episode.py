@@ -310,3 +310,18 @@ def checked_step(result: Any) -> StepResult:
         truncated=bool(result.truncated),
         info=_json_dict(result.info, "step() info"),
     )
+
+
+def checked_turn_cap(value: Any, turn: int, limit: int) -> int:
+    """A turn's token budget: ``Env.turn_max_new_tokens(turn)``'s ``value``, under ``limit``.
+
+    Raises:
+        EnvError: ``value`` is neither ``None`` nor an int >= 1.
+    """
+    if value is None:
+        return limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EnvError(
+            f"turn_max_new_tokens({turn}) returned {value!r:.100}, expected an int >= 1 or None"
+        )
+    return min(value, limit)
