@@ -60,7 +60,7 @@ class ModelConfig(_Section):
         local = path.startswith((".", "/", "~")) or path.count("/") > 1
         if path not in ("tiny", "tiny-moe") and local and not Path(path).expanduser().is_dir():
             raise ValueError(f"no such model directory {path}")
-        from agentrl.learner.export import not_a_model_reason
+        from agentrl.model_dirs import not_a_model_reason
 
         if (why := not_a_model_reason(path)) is not None:  # a run's checkpoint: name the fix
             raise ValueError(why)
@@ -218,7 +218,9 @@ class TrainLoopConfig(_Section):
     eval_every: int = Field(10, ge=0)
     """Evaluate every N steps (0: only at start and end)."""
     eval_samples: int = Field(1, ge=1)
-    """Samples per held-out task; success is averaged over them (pass@1)."""
+    """Samples per held-out task; success is averaged over them (pass@1). Above 1, evaluation
+    also logs ``eval/pass@1`` .. ``eval/pass@K`` (unbiased) and ``eval/avg@K``, as ``agentrl
+    eval`` does."""
     eval_temperature: float = Field(0.0, ge=0)
     """0 evaluates greedily."""
     checkpoint_every: int = Field(50, ge=0)
@@ -292,6 +294,57 @@ class TrainLoopConfig(_Section):
         return self
 
 
+class TeacherConfig(_Section):
+    """On-policy distillation (:mod:`agentrl.learner.distill`): a teacher scores the student's
+    sampled tokens, and ``-kl_coef * (logp_student - logp_teacher)`` on each becomes its
+    advantage. Off unless ``model`` or ``endpoint`` is set."""
+
+    model: str | None = None
+    """The teacher, run in this process on ``model.device`` like the policy's embedded engine:
+    ``tiny`` (built from config with ``tiny`` and ``seed``) or an HF model directory, e.g. a
+    trained run's ``RUN_DIR/export``. It must share the policy's vocabulary."""
+    endpoint: str | None = None
+    """Or a served teacher: an SGLang (or ``agentrl serve``) base URL, scored through
+    ``/generate`` with ``max_new_tokens`` 0 and ``logprob_start_len`` 0."""
+    mode: Literal["distill", "rl+distill"] = "distill"
+    """``distill``: the KL term is the whole advantage; ``rl+distill``: it is added to the RL
+    reward's per-token advantage (``advantages``)."""
+    kl_coef: float = Field(1.0, gt=0)
+    """The weight of the per-token reverse KL in the advantage."""
+    tiny: dict[str, Any] = Field(default_factory=dict)
+    """``model = "tiny"``: overrides of the tiny model's config (a larger teacher)."""
+    seed: int | None = None
+    """``model = "tiny"``: the seed of its weights (``None``: the run's ``seed``)."""
+    batch_size: int = Field(16, ge=1, le=4096)
+    """Sequences scored per call (an endpoint's batch; the embedded engine's in flight)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """``endpoint``: per-call HTTP timeout; a failed call fails its episodes (counted as
+    ``rollout/failed_teacher``)."""
+    api_key: str | None = None
+    """``endpoint``: its key as ``env:NAME`` or ``file:PATH``."""
+
+    @field_validator("model")
+    @classmethod
+    def _teacher_exists(cls, path: str | None) -> str | None:
+        return None if path is None else ModelConfig._local_path_exists(path)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_reference(cls, spec: str | None) -> str | None:
+        return InferenceConfig._key_is_a_reference(spec)
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> TeacherConfig:
+        if self.model is not None and self.endpoint is not None:
+            raise ValueError("endpoint: expected model or endpoint, got both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a teacher is configured."""
+        return self.model is not None or self.endpoint is not None
+
+
 class TrainConfig(_Section):
     """Everything a training run needs."""
 
@@ -317,6 +370,7 @@ class TrainConfig(_Section):
     rollout's is an error (the learner's log-probs must be those of the sampling policy)."""
     cold_start: ColdStartConfig = Field(default_factory=ColdStartConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     tensorboard: bool = False
     """Also write TensorBoard scalars (needs the ``tensorboard`` package); an alias of
     ``"tensorboard"`` in ``train.loggers``."""

@@ -1,7 +1,7 @@
 """Code agent: write a program, see failing public tests, revise; rewarded on hidden tests.
 
     python recipes/code_agent.py --preset cpu-tiny           # CPU smoke run of the whole loop
-    python recipes/code_agent.py --preset gpu-small           # one GPU, 25M model, < 10 min
+    python recipes/code_agent.py --preset gpu-small           # one GPU, 25M model (no learning yet)
     python recipes/code_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
 
 Reads top to bottom: the config (a preset plus ``--section.key=value`` overrides), the sandbox
@@ -16,9 +16,14 @@ from config cannot write HumanEval code, so it trains on ``code-fn-v0``, defined
 (same multi-turn env, sandbox and public/hidden tests) on generated one-line function tasks,
 "write `name(x)` that adds 7 to x and then multiplies by 3", whose words the model must turn
 into the right expression (``(x + 7) * 3``). A cold start on demonstrated solutions, then GSPO;
-the held-out tasks are new names and numbers. What it can show: that the model learns the
-word-to-code mapping and the fenced format, and the loop's speed with a sandbox in it; not
-that it learns to program.
+the held-out tasks are new names and numbers. What it was meant to show: the word-to-code
+mapping and the fenced format, and the loop's speed with a sandbox in it; not programming.
+
+Measured (2026-11-28, one H200, sandbox by resource limits only, a shortened run: cold start
+capped at 150 s, RL at 140 s): it does **not** learn yet. After 3 min 8 s of cold start held-out
+success was 0.000 (loss 0.21), RL stayed at reward 0 with no learning signal for 20 steps, and
+the first two steps took 40-45 s with 7 episodes failing the 60 s env timeout while the sandbox
+ran 256 episodes' programs. Treat it as a plumbing and throughput run until that is fixed.
 """
 
 from __future__ import annotations

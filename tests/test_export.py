@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.cli import main
 from agentrl.config import load_config
+from agentrl.errors import ConfigError
+from agentrl.inference.model_io import load_model
 from agentrl.learner import Learner
 from agentrl.loop.checkpoints import name_of
 from agentrl.loop.placement import load_policy
@@ -155,6 +157,9 @@ def test_bad_input_fails_in_one_line(run: Path, tmp_path: Path, capsys: Any) -> 
         capsys, ["rollout", "arith-v0", "--out", str(tmp_path / "t.jsonl"), "--model", ckpt], 2,
         "training checkpoint", f"agentrl export {ckpt} --out DIR",
     )  # fmt: skip
+    # and so does the engine's loader (`agentrl serve --model`, `agentrl eval`)
+    with pytest.raises(ConfigError, match="agentrl export"):
+        load_model(ckpt, "cpu", None)
     # a corrupt checkpoint: refused when asked for, passed over (with a line) by default
     copy = tmp_path / "copy"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))

@@ -31,6 +31,11 @@ def load_model(path_or_preset: str, device: str, dtype: torch.dtype | None) -> t
         return build_preset(path_or_preset)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.errors import ConfigError
+    from agentrl.model_dirs import not_a_model_reason
+
+    if (why := not_a_model_reason(path_or_preset)) is not None:  # a run's checkpoint
+        raise ConfigError(why)
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path_or_preset, dtype=dtype)
