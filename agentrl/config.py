@@ -295,9 +295,11 @@ class TrainLoopConfig(_Section):
 
 
 class TeacherConfig(_Section):
-    """On-policy distillation (:mod:`agentrl.learner.distill`): a teacher scores the student's
-    sampled tokens, and ``-kl_coef * (logp_student - logp_teacher)`` on each becomes its
-    advantage. Off unless ``model`` or ``endpoint`` is set."""
+    """On-policy distillation: a teacher scores the student's sampled tokens.
+
+    ``-kl_coef * (logp_student - logp_teacher)`` on each sampled token becomes its advantage
+    (:mod:`agentrl.learner.distill`). Off unless ``model`` or ``endpoint`` is set.
+    """
 
     model: str | None = None
     """The teacher, run in this process on ``model.device`` like the policy's embedded engine:
@@ -327,6 +329,16 @@ class TeacherConfig(_Section):
     @classmethod
     def _teacher_exists(cls, path: str | None) -> str | None:
         return None if path is None else ModelConfig._local_path_exists(path)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _one_url(cls, url: str | None) -> str | None:
+        from agentrl.inference.endpoints import parse_endpoints
+
+        urls = [] if url is None else parse_endpoints(url)
+        if len(urls) > 1:
+            raise ValueError(f"expected one URL, got {len(urls)}")
+        return urls[0] if urls else None
 
     @field_validator("api_key")
     @classmethod

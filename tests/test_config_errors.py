@@ -55,7 +55,10 @@ EXTRA = "Extra inputs are not permitted; did you mean"
             f"advantages.shapers[0].penatly: {EXTRA} 'penalty'?",
         ),
         ("--learner.lrr=1e-4", f"learner.lrr: {EXTRA} 'lr'?"),
-        ("--learner.loss=gsop", "learner.loss: Input should be 'gspo_token', 'gspo' or 'grpo'"),
+        (
+            "--learner.loss=gsop",
+            "learner.loss: Input should be 'gspo_token', 'gspo', 'grpo', 'cispo' or 'dppo'",
+        ),
         ("--cold_start.step=3", f"cold_start.step: {EXTRA} 'steps'?"),
         ("--train.max_failed_frac=2", "train.max_failed_frac: Input should be less than or equal"),
         ("--model.path=./no-such-model", "model.path: no such model directory ./no-such-model"),

@@ -14,7 +14,9 @@ from agentrl.errors import ConfigError
 from agentrl.learner.losses import (
     LOSSES,
     MAX_LOG_RATIO,
+    cispo_loss,
     count_sequences,
+    dppo_loss,
     get_loss,
     grpo_loss,
     gspo_loss,
@@ -321,6 +323,8 @@ ALL = [
     ("gspo", lambda lp, old, a, m: gspo_loss(lp, old, a, m)),
     ("gspo_token", lambda lp, old, a, m: gspo_token_loss(lp, old, a[:, None].expand_as(lp), m)),
     ("grpo", lambda lp, old, a, m: grpo_loss(lp, old, a, m)),
+    ("cispo", lambda lp, old, a, m: cispo_loss(lp, old, a, m)),
+    ("dppo", lambda lp, old, a, m: dppo_loss(lp, old, a, m)),
     ("kl", lambda lp, old, a, m: kl_to_reference(lp, old, m)),
 ]
 
@@ -384,7 +388,7 @@ def test_all_rows_masked_gives_zero_not_nan(name: str, fn: Callable) -> None:
     assert stats.num_tokens == 0
 
 
-@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo", "kl"])
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo", "cispo", "dppo", "kl"])
 def test_micro_batches_accumulate_to_the_full_batch(name: str) -> None:
     # a mini-batch of 10 rows (one empty) split into micro-batches of 3, 4 and 3 rows, each
     # trimmed to its own width; with num_sequences = count_sequences(whole mask) the summed
@@ -451,7 +455,8 @@ def test_nothing_larger_than_batch_by_tokens(name: str, fn: Callable) -> None:
 
 
 def test_registry_and_validation() -> None:
-    assert set(LOSSES) == {"gspo_token", "gspo", "grpo"}
+    assert set(LOSSES) == {"gspo_token", "gspo", "grpo", "cispo", "dppo"}
+    assert get_loss("cispo") is cispo_loss and get_loss("dppo") is dppo_loss
     assert get_loss("gspo") is gspo_loss
     with pytest.raises(ConfigError, match="expected one of"):
         get_loss("ppo")
@@ -466,3 +471,118 @@ def test_registry_and_validation() -> None:
         gspo_token_loss(lp, lp, torch.zeros(2), mask, eps_low=1.5)
     with pytest.raises(TypeError, match="floating-point"):
         grpo_loss(lp.long(), lp, torch.zeros(2), mask)
+    with pytest.raises(ValueError, match="eps_low"):
+        cispo_loss(lp, lp, torch.zeros(2), mask, eps_low=1.5)
+    with pytest.raises(ValueError, match="kl_coef"):
+        dppo_loss(lp, lp, torch.zeros(2), mask, kl_coef=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# CISPO (MiniMax-M1, eqs. 4-5) and DPPO (prime-rl's default loss), against float64 references
+
+
+def ref_cispo(lp, old, adv_tok, mask, eps_low, eps_high):
+    terms, clipped = [], []
+    for i, row in enumerate(mask):
+        idx = row.nonzero().squeeze(-1)
+        if len(idx) == 0:
+            continue
+        r = torch.exp(lp[i, idx] - old[i, idx]).detach()
+        w = r.clamp(1 - eps_low, 1 + eps_high)  # sg(r̂)
+        terms.append((w * adv_tok[i, idx] * lp[i, idx]).mean())
+        clipped.append((r > 1 + eps_high) | (r < 1 - eps_low))
+    return -torch.stack(terms).mean(), clipped
+
+
+def ref_dppo(lp, old, adv_tok, mask, d_low, d_high, tau):
+    terms, clipped = [], []
+    for i, row in enumerate(mask):
+        idx = row.nonzero().squeeze(-1)
+        if len(idx) == 0:
+            continue
+        log_r = lp[i, idx] - old[i, idx]
+        a = adv_tok[i, idx]
+        dp = (lp[i, idx].exp() - old[i, idx].exp()).detach()
+        drop = torch.tensor(
+            [(x > 0 and p > d_high) or (x < 0 and p < -d_low) for x, p in zip(a, dp, strict=True)]
+        )
+        pg = torch.where(drop, 0.0, a * log_r.exp())
+        terms.append((-pg + tau * log_r**2).mean())
+        clipped.append(drop)
+    return torch.stack(terms).mean(), clipped
+
+
+def _fractions(clipped: list[torch.Tensor]) -> tuple[float, float]:
+    tokens = torch.cat(clipped)
+    return tokens.double().mean().item(), sum(bool(c.any()) for c in clipped) / len(clipped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("eps", [(1.0, 0.28), (0.2, 0.28)])
+def test_cispo_matches_reference(dtype: torch.dtype, eps: tuple[float, float]) -> None:
+    b = ragged_batch(3, batch=8, max_len=600, offset=0.4, noise=0.2)
+    lp = b["lp"].to(dtype).double()
+    old, adv = b["old"].to(dtype), b["adv_tok"].to(dtype)
+    ref = lambda x: ref_cispo(x, old.double(), adv.double(), b["mask"], *eps)[0]  # noqa: E731
+    want, want_grad = value_and_grad(ref, lp)
+    got, got_grad = value_and_grad(cispo_loss, lp.to(dtype), old, adv, b["mask"], *eps)
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(got_grad.double(), want_grad, **tol)
+    _, clipped = ref_cispo(lp, old.double(), adv.double(), b["mask"], *eps)
+    tok, seq = _fractions(clipped)
+    _, stats = cispo_loss(lp.to(dtype), old, adv, b["mask"], *eps)
+    assert 0.05 < tok < 0.95  # the data reach both sides of the clip
+    assert stats.clip_frac_tokens == pytest.approx(tok, abs=1e-6)
+    assert stats.clip_frac_seqs == pytest.approx(seq, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kl_coef", [0.0, 1e-3, 0.5])
+def test_dppo_matches_reference(dtype: torch.dtype, kl_coef: float) -> None:
+    b = ragged_batch(4, batch=8, max_len=600, offset=0.3, noise=0.3)
+    old = (b["old"] / 3.0).to(dtype)  # probabilities in [0.37, 1]: differences past 0.2 happen
+    lp = (b["lp"] - b["old"] + old.double()).to(dtype).double()
+    adv = b["adv_tok"].to(dtype)
+    args = (old.double(), adv.double(), b["mask"], 0.2, 0.15, kl_coef)
+    want, want_grad = value_and_grad(lambda x: ref_dppo(x, *args)[0], lp)
+    fn = lambda x: dppo_loss(x, old, adv, b["mask"], 0.2, 0.15, kl_coef=kl_coef)  # noqa: E731
+    got, got_grad = value_and_grad(fn, lp.to(dtype))
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(got_grad.double(), want_grad, **tol)
+    tok, seq = _fractions(ref_dppo(lp, *args)[1])
+    _, stats = fn(lp.to(dtype))
+    assert 0.01 < tok < 0.9
+    assert stats.clip_frac_tokens == pytest.approx(tok, abs=1e-6)
+    assert stats.clip_frac_seqs == pytest.approx(seq, abs=1e-6)
+
+
+def test_cispo_tiny_hand_computed() -> None:
+    # one row of 3 loss tokens (a gap between two turns), ratios 2, 1, 0.5; ε_high = 0.28, no
+    # lower bound: weights 1.28, 1, 0.5; the clipped token keeps a gradient (PPO's would not)
+    old = torch.log(torch.tensor([[0.2, 0.3, 0.9, 0.4]], dtype=torch.float64))
+    lp = old + torch.log(torch.tensor([[2.0, 1.0, 7.0, 0.5]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 0, 1]])
+    loss, grad = value_and_grad(cispo_loss, lp, old, torch.tensor([2.0]), mask)
+    w = torch.tensor([1.28, 1.0, 0.0, 0.5], dtype=torch.float64)
+    assert loss.item() == pytest.approx(-(w * 2.0 * lp[0]).sum().item() / 3, rel=1e-12)
+    torch.testing.assert_close(grad[0], -w * 2.0 / 3, rtol=1e-12, atol=1e-15)
+    _, stats = cispo_loss(lp, old, torch.tensor([2.0]), mask)
+    assert stats.clip_frac_tokens == pytest.approx(1 / 3) and stats.clip_frac_seqs == 1.0
+
+
+def test_dppo_masks_by_advantage_sign_and_probability_difference() -> None:
+    # probabilities old -> new: 0.1 -> 0.5 (+0.4), 0.5 -> 0.1 (-0.4), 0.3 -> 0.35 (+0.05)
+    old = torch.log(torch.tensor([[0.1, 0.5, 0.3]] * 2, dtype=torch.float64))
+    lp = torch.log(torch.tensor([[0.5, 0.1, 0.35]] * 2, dtype=torch.float64))
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    loss, grad = value_and_grad(dppo_loss, lp, old, adv, mask, 0.2, 0.2)
+    r = (lp - old).exp()
+    # A > 0 masks the +0.4 rise only; A < 0 masks the -0.4 drop only
+    keep = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]], dtype=torch.float64)
+    tau = 1e-3
+    want_grad = (-keep * adv[:, None].double() * r + 2 * tau * (lp - old)) / (3 * 2)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-15)
+    _, stats = dppo_loss(lp, old, adv, mask, 0.2, 0.2)
+    assert stats.clip_frac_tokens == pytest.approx(2 / 6) and stats.clip_frac_seqs == 1.0

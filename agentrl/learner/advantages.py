@@ -358,6 +358,7 @@ def compute_token_advantages(
     shapers: Sequence[Mapping[str, Any] | Shaper] = (),
     *,
     eps: float = 1e-6,
+    extra: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
     """Per-token advantages of a group: outcome advantage plus the shapers' adjustments, masked.
 
@@ -369,6 +370,8 @@ def compute_token_advantages(
         group: the G trajectories of one task.
         shapers: shapers or config specs (see :func:`build_shapers`).
         eps: added to the group's reward std.
+        extra: per-token terms added too, one float tensor per trajectory (on-policy
+            distillation's reverse KL: :mod:`agentrl.learner.distill`); empty: none.
 
     Returns:
         One float32 tensor per trajectory, ``len(trajectory.tokens)`` long, exactly 0 wherever
@@ -390,7 +393,8 @@ def compute_token_advantages(
         for t, a in zip(trajs, outcome.tolist(), strict=True)
     ]
     built = build_shapers(shapers)
-    for shaper in built:
+    terms: list[Any] = [lambda g, a: list(extra)] if extra else []  # a shaper's checks apply
+    for shaper in [*built, *terms]:
         adjs = shaper(group, outcome)
         if len(adjs) != len(trajs):
             raise ValueError(f"{shaper!r}: expected {len(trajs)} tensors, got {len(adjs)}")

@@ -26,12 +26,20 @@ class LearnerConfig(BaseModel):
     """Optimizer steps per rollout batch (split in order; fewer if it has fewer sequences)."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Token budget of one packed micro-batch (a longer sequence gets a micro-batch alone)."""
-    loss: Literal["gspo_token", "gspo", "grpo"] = "gspo_token"
-    """Policy loss; ``gspo`` uses each sequence's mean per-token advantage."""
+    loss: Literal["gspo_token", "gspo", "grpo", "cispo", "dppo"] = "gspo_token"
+    """Policy loss; ``gspo`` uses each sequence's mean per-token advantage; ``cispo``
+    (MiniMax-M1: REINFORCE weighted by the clipped, stop-gradient ratio) and ``dppo`` (prime-rl's
+    default: tokens whose probability moved past the trust region are masked, plus
+    ``dppo_kl_coef * (log ratio)^2``) are in :mod:`agentrl.learner.weighted_losses`."""
     eps_low: float | None = Field(None, ge=0)
-    """Lower clip range; ``None`` takes the loss's default (3e-4 for GSPO, 0.2 for GRPO)."""
+    """Lower clip range; ``None`` takes the loss's default (3e-4 for GSPO, 0.2 for GRPO, 1.0 for
+    CISPO: no lower bound on its weight). DPPO: the probability drop ``δ_low`` (default 0.2)."""
     eps_high: float | None = Field(None, ge=0)
-    """Upper clip range; ``None`` takes the loss's default (4e-4 for GSPO, 0.28 for GRPO)."""
+    """Upper clip range; ``None`` takes the loss's default (4e-4 for GSPO, 0.28 for GRPO and
+    CISPO). DPPO: the probability rise ``δ_high`` (default 0.2)."""
+    dppo_kl_coef: float = Field(1e-3, ge=0)
+    """``loss="dppo"``: weight of the squared engine-vs-trainer log-ratio (prime-rl's
+    ``kl_tau``)."""
     temperature: float = Field(1.0, ge=0)
     """The engine's sampling temperature (must match it); 0, greedy, counts as 1."""
     logprob_chunk_size: int = Field(1024, ge=1)
@@ -39,9 +47,23 @@ class LearnerConfig(BaseModel):
     recompute_old_logprobs: bool = False
     """Recompute old log-probs with this model before the update instead of the engine's."""
     tis: Literal["token", "sequence"] | None = None
-    """Truncated importance sampling against engine/trainer mismatch (needs recompute)."""
+    """Truncated importance sampling against engine/trainer mismatch (needs recompute); the
+    same as ``rollout_correction="token_tis"`` / ``"seq_tis"`` with ``tis_cap`` as the cap."""
     tis_cap: float = Field(2.0, gt=0)
-    """The cap C of the truncated importance weights."""
+    """The cap C of the truncated importance weights of ``tis``."""
+    rollout_correction: Literal[
+        "none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"
+    ] = "none"
+    """Correction of the engine-vs-trainer mismatch (needs recompute): with
+    ``ρ = exp(old_trainer - old_engine)`` per token and ``ρ_seq`` its geometric mean over a
+    sequence, each token's advantage is multiplied by ``min(ρ, high)`` (``token_tis``),
+    ``min(ρ_seq, high)`` (``seq_tis``), ``1[low <= ρ <= high]`` (``token_mis``: masked),
+    ``1[low <= ρ_seq <= high]`` (``seq_mis``) or ``ρ 1[low <= ρ <= high]`` (``icepop``,
+    Ring-1T). :mod:`agentrl.learner.mismatch`."""
+    rollout_correction_low: float | None = Field(None, ge=0)
+    """The lower bound ``low`` of ``rollout_correction``; ``None``: 0.5 (MIS, IcePop)."""
+    rollout_correction_high: float | None = Field(None, gt=0)
+    """The upper bound ``high``; ``None``: 2.0 (TIS, MIS), 5.0 (IcePop, Ring-1T's β)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL-to-reference term; 0 needs no reference model."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -143,6 +165,22 @@ class LearnerConfig(BaseModel):
             raise ValueError(
                 "batch_invariant: needs dtype='bfloat16' and the packed body, got "
                 f"dtype={self.dtype!r}, body={self.body!r}"
+            )
+        if self.tis is not None and self.rollout_correction != "none":
+            raise ValueError(
+                f"tis, rollout_correction: expected one of them, got tis={self.tis!r} and "
+                f"rollout_correction={self.rollout_correction!r}"
+            )
+        if self.rollout_correction != "none" and not self.recompute_old_logprobs:
+            raise ValueError(
+                "rollout_correction: expected recompute_old_logprobs=True (the correction "
+                "compares the trainer's old log-probs with the engine's), got False"
+            )
+        low, high = self.rollout_correction_low, self.rollout_correction_high
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"rollout_correction_low, rollout_correction_high: expected low <= high, "
+                f"got {low}, {high}"
             )
         if self.tis is not None and not self.recompute_old_logprobs:
             raise ValueError(

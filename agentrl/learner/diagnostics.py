@@ -49,21 +49,6 @@ def mismatch_stats(
     stats.later(record)
 
 
-def tis_weights(
-    trainer: torch.Tensor, engine: torch.Tensor, batch: PackedBatch, level: str, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights per target, and which of them were capped.
-
-    ``min(exp(trainer - engine), cap)``; at ``sequence`` level the log-ratio is the mean over
-    the sequence's trained tokens (GSPO's length-normalised ratio).
-    """
-    log_w = trainer - engine  # (n,)
-    if level == "sequence":
-        log_w = batch.sequence_means(log_w)[0][batch.seq_index]  # (n,) its sequence's mean
-    raw = log_w.exp()
-    return raw.clamp(max=cap), raw > cap
-
-
 def trainer_logprobs_by_sample(
     samples: Sequence[TrainSample], pre_update: dict[int, torch.Tensor]
 ) -> dict[int, np.ndarray]:

@@ -11,11 +11,10 @@ One :meth:`Learner.step` takes a rollout batch of :class:`TrainSample` and:
 * uses the **engine's log-probs as old log-probs** (``recompute_old_logprobs`` computes them
   with this model before any update instead), and reports the engine/trainer mismatch on the
   first mini-batch, before any update (``mismatch/*``);
-* optionally corrects that mismatch with truncated importance sampling (``tis``, needs the
-  recomputed old log-probs): per-token advantages are multiplied by
-  ``w = min(exp(old_trainer - old_engine), tis_cap)``, per token or, with ``"sequence"``, one
-  weight per sequence from the *mean* log-ratio (GSPO's length-normalised ratio, not the product,
-  which explodes with length); ``tis/capped_frac`` is the share of tokens whose weight was capped;
+* optionally corrects that mismatch (``rollout_correction``: token or sequence TIS, masked IS,
+  IcePop; ``tis`` is the older spelling of the TIS presets; needs the recomputed old log-probs):
+  per-token advantages are multiplied by a weight of ``exp(old_trainer - old_engine)``
+  (:mod:`agentrl.learner.mismatch`); ``tis/capped_frac``, ``mismatch/masked_token_frac``;
 * optionally adds ``kl_coef * KL(π_θ || π_ref)`` against a frozen reference model;
 * on a Mixture-of-Experts model, optionally replays the engine's routing in every forward
   (``routing_replay``), adds a load-balancing loss (``router_aux_loss_coef``) and reports routing
@@ -57,7 +56,7 @@ from transformers import PreTrainedModel
 
 from agentrl.errors import ConfigError
 from agentrl.learner.config import LearnerConfig
-from agentrl.learner.diagnostics import mismatch_stats, tis_weights, trainer_logprobs_by_sample
+from agentrl.learner.diagnostics import mismatch_stats, trainer_logprobs_by_sample
 from agentrl.learner.distributed import (
     StepStats,
     accumulate_locally,
@@ -70,7 +69,12 @@ from agentrl.learner.distributed import (
 from agentrl.learner.export import LearnerWeights
 from agentrl.learner.logprobs import LogprobModel
 from agentrl.learner.losses import get_loss, kl_to_reference
-from agentrl.learner.mismatch import record_version_split
+from agentrl.learner.mismatch import (
+    apply_correction,
+    record_turn_position_split,
+    record_version_split,
+    resolve_correction,
+)
 from agentrl.learner.model import choose_body, wrap_model
 from agentrl.learner.packing import (
     PackedBatch,
@@ -180,6 +184,9 @@ class Learner(LearnerWeights):
         self._loss_fn = get_loss(config.loss)
         eps = {"eps_low": config.eps_low, "eps_high": config.eps_high}
         self._eps = {k: v for k, v in eps.items() if v is not None}
+        if config.loss == "dppo":
+            self._eps["kl_coef"] = config.dppo_kl_coef
+        self._correction = resolve_correction(config)
         self.num_steps = 0
         """Optimizer steps taken."""
         self.weight_version: int | None = None  # set by the trainer: splits mismatch by version
@@ -369,15 +376,12 @@ class Learner(LearnerWeights):
         if mismatch:
             trainer = old if old_trainer is not None else logprobs.detach()
             mismatch_stats(batch, trainer, engine, stats)
-            record_version_split(
-                [samples[i] for i in micro], trainer, engine, self.weight_version, stats
-            )
-        if self.config.tis is not None:
-            w, capped = tis_weights(old, engine, batch, self.config.tis, self.config.tis_cap)
-            adv = adv * w
-            capped_frac, w_mean, n = capped.float().mean(), w.mean(), w.numel()
-            stats.later(lambda s: s.mean("tis/capped_frac", capped_frac.item(), n))
-            stats.later(lambda s: s.mean("tis/weight_mean", w_mean.item(), n))
+            sel = [samples[i] for i in micro]
+            record_version_split(sel, trainer, engine, self.weight_version, stats)
+            record_turn_position_split(sel, trainer, engine, stats)
+        if self._correction is not None:  # rollout correction: weights on the advantages
+            c = self._correction
+            adv = adv * apply_correction(old, engine, batch.seq_index, batch.num_seqs, c, stats)
         loss = self._policy_loss(batch, logprobs, old, adv, num_seqs, stats)
         if aux is not None:  # load balancing, this micro-batch's share of the mini-batch's
             loss = loss + self.config.router_aux_loss_coef * aux * (batch.num_seqs / num_seqs)
@@ -407,7 +411,7 @@ class Learner(LearnerWeights):
             **self._eps,
             num_sequences=num_seqs,
         )
-        value, per_token = loss.detach(), self.config.loss == "grpo"
+        value, per_token = loss.detach(), self.config.loss in ("grpo", "cispo", "dppo")
 
         def record(stats: StepStats) -> None:  # at the end of the step: no mid-step sync
             stats.add("loss/policy", value.item())

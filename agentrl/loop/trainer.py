@@ -31,7 +31,6 @@ from agentrl.env import Env, import_envs, make
 from agentrl.errors import ConfigError
 from agentrl.inference.base import InferenceClient
 from agentrl.learner import Learner, samples_from_trajectories
-from agentrl.learner.advantages import compute_token_advantages
 from agentrl.loop import ranks as dist_ranks
 from agentrl.loop import stop
 from agentrl.loop.atomic import append_bytes, disk_errors, replace_file
@@ -58,6 +57,7 @@ from agentrl.loop.resume import (
 )
 from agentrl.loop.run_dir import prepare
 from agentrl.loop.summary import summarise
+from agentrl.loop.teacher import make_teacher, token_batch
 from agentrl.pass_at_k import eval_metrics
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.engine import RolloutEngine, rollout_metrics
@@ -130,6 +130,7 @@ class Trainer:
         self._engine_model = copy.deepcopy(self.model) if local else None
         self.learner = Learner(self.model, learner_config)
         self.client: InferenceClient = self._make_client()
+        self.teacher = make_teacher(config, self.tokenizer)  # on-policy distillation, or None
         self.last_push: dict[str, float] = {}
         self.weight_push = (  # None: disk or local; rank 0 pushes for every rank
             make_weight_push(config, self.learner.device) if self.ranks.is_main else None
@@ -270,6 +271,8 @@ class Trainer:
         self.updating = True
         if self.config.advantages.shuffle_rewards:
             self._shuffle_rewards(groups)
+        if self.teacher is not None:  # scores the sampled tokens (a failure fails episodes)
+            await self.teacher.score(groups, metrics)
         trajs, advs, skipped = self.training_batch(groups)
         metrics["rollout/zero_signal_groups"] = float(skipped)
         t1 = time.perf_counter()
@@ -309,29 +312,11 @@ class Trainer:
     def training_batch(
         self, groups: Sequence[Group]
     ) -> tuple[list[Trajectory], list[torch.Tensor], int]:
-        """Trajectories that carry signal, with their per-token advantages.
+        """Trajectories that carry signal, their per-token advantages, zero-signal groups.
 
-        Failed episodes are left out (they are counted in metrics). A trajectory whose
-        advantages are zero everywhere (a group with equal rewards and no shaping penalty)
-        would add nothing to the gradient, so it is not sent to the learner; such groups are
-        counted as ``zero_signal``.
+        See :func:`agentrl.loop.teacher.token_batch` (with the teacher's scores, if any).
         """
-        trajs: list[Trajectory] = []
-        advs: list[torch.Tensor] = []
-        zero_signal = 0
-        for g in groups:
-            ok = [t for t in g.trajectories if not t.failed]
-            if not ok:
-                continue
-            clean = Group(task=g.task, trajectories=ok)
-            per_token = compute_token_advantages(
-                clean, self.config.advantages.shapers, eps=self.config.advantages.eps
-            )
-            keep = [(t, a) for t, a in zip(ok, per_token, strict=True) if bool(a.any())]
-            zero_signal += not keep
-            trajs += [t for t, _ in keep]
-            advs += [a for _, a in keep]
-        return trajs, advs, zero_signal
+        return token_batch(groups, self.config, self.teacher)
 
     def save_checkpoint(self) -> Path:
         """Write a resumable checkpoint for the current step (once: a second call is a no-op).
@@ -453,6 +438,8 @@ class Trainer:
             if self.weight_push is not None:
                 await self.weight_push.aclose()
             await self.client.aclose()
+            if self.teacher is not None:
+                await self.teacher.aclose()
             if self._loggers is not None:
                 self._loggers.close()
 

@@ -1,0 +1,256 @@
+"""The distillation teacher of a run, and the step's per-token advantages with or without it.
+
+``teacher.model`` runs an embedded :class:`~agentrl.inference.engine.LocalEngine` on the
+policy's device (built like the policy: a ``tiny`` preset or an HF directory such as a trained
+run's ``RUN_DIR/export``); ``teacher.endpoint`` scores on an SGLang-compatible server through
+``/generate`` with ``input_ids`` = the whole sequence, ``max_new_tokens`` 0, ``return_logprob``
+and ``logprob_start_len`` 0 (its ``input_token_logprobs``). Either way the teacher sees the
+student's exact token ids, so both must share one vocabulary: a teacher that does not is
+refused with one line. Sequences are scored ``teacher.batch_size`` at a time; a batch that fails
+(an HTTP error, a sequence past the teacher's context) fails its episodes, which are then left
+out of the update and counted like other failed episodes (``rollout/failed_teacher``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from agentrl.config import TrainConfig
+from agentrl.errors import AgentRLError, ConfigError, ServerError
+from agentrl.learner.advantages import compute_token_advantages
+from agentrl.learner.distill import distill_token_advantages
+from agentrl.types import Group, Trajectory
+
+# a text the teacher's tokenizer must cut exactly as the student's (specials, digits, ASCII)
+ASCII = "".join(map(chr, range(32, 127)))
+VOCAB_PROBE = f"<|im_start|>user\n{ASCII}<|im_end|>\n<|im_start|>assistant\n<think>\n</think>\n"
+MAX_RESPONSE_BYTES_PER_TOKEN = 256  # an input_token_logprobs entry is ~30 bytes
+
+
+class TeacherError(AgentRLError):
+    """The teacher could not score a batch (the episodes in it fail)."""
+
+
+def vocab_mismatch(student: Any, teacher: Any) -> str | None:
+    """Why two tokenizers do not share a vocabulary (``None`` when they do)."""
+    a, b = student.get_vocab(), teacher.get_vocab()
+    if a == b:
+        return None
+    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[0]
+    return (
+        f"its vocabulary differs from the policy's ({len(b)} vs {len(a)} tokens; first "
+        f"difference: {diff[0]!r} -> {diff[1]}): distillation scores the student's token ids"
+    )
+
+
+class _LocalScorer:
+    """An embedded engine's teacher-forced log-probs (untempered, as SGLang's prompt ones)."""
+
+    def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
+        from agentrl.inference.engine import LocalEngine
+        from agentrl.loop.placement import load_policy
+
+        t = config.teacher
+        seed = config.seed if t.seed is None else t.seed
+        model_cfg = config.model.model_copy(update={"path": t.model, "tiny": t.tiny})
+        try:
+            model, tok = load_policy(config.model_copy(update={"seed": seed, "model": model_cfg}))
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("model.path:", "teacher.model:", 1)) from None
+        if (why := vocab_mismatch(tokenizer, tok)) is not None:
+            raise ConfigError(f"teacher.model: {why}")
+        # no paged KV cache: the teacher only runs whole-sequence forwards
+        self.engine = LocalEngine(model, tok, max_batch_size=1, paged=False)
+
+    async def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        runs = [self.engine.prompt_logprobs(ids, temperature=1.0) for ids in seqs]
+        return [[0.0, *lps] for lps in await asyncio.gather(*runs)]
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+
+class _RemoteScorer:
+    """``/generate`` prompt log-probs of an SGLang-compatible endpoint."""
+
+    def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
+        import aiohttp
+
+        from agentrl.inference.api_keys import bearer, read_key
+
+        t = config.teacher
+        assert t.endpoint is not None
+        self.url, self.tokenizer = t.endpoint, tokenizer
+        try:
+            self.headers = bearer(read_key(t.api_key, "teacher.api_key"))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.timeout = aiohttp.ClientTimeout(total=t.timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+        self.checked = False
+
+    async def _post(self, payload: dict[str, Any], limit: int) -> Any:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=self.timeout)
+        try:
+            async with self.session.post(
+                self.url + "/generate", json=payload, headers=self.headers
+            ) as resp:
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > limit:
+                        raise TeacherError(f"teacher {self.url}: response over {limit} bytes")
+                if resp.status != 200:
+                    text = bytes(body[:200]).decode(errors="replace")
+                    raise TeacherError(f"teacher {self.url}: HTTP {resp.status}: {text}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise TeacherError(f"teacher {self.url}: {type(exc).__name__}: {exc}") from None
+        import json
+
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            raise TeacherError(f"teacher {self.url}: malformed response") from None
+
+    async def check_vocab(self) -> None:
+        """Refuse a teacher whose tokenizer cuts the probe text otherwise than the student's."""
+        want = list(self.tokenizer(VOCAB_PROBE, add_special_tokens=False)["input_ids"])
+        payload = {"text": VOCAB_PROBE, "sampling_params": {"max_new_tokens": 0},
+                   "return_prompt_token_ids": True}  # fmt: skip
+        got = (await self._post(payload, 1 << 20)).get("prompt_token_ids")
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if isinstance(got, list) and got[:1] == [bos] and want[:1] != [bos]:
+            got = got[1:]  # the server added its BOS
+        if got != want:
+            raise ConfigError(
+                f"teacher.endpoint: its tokenizer differs from the policy's (a probe text gives "
+                f"{len(got) if isinstance(got, list) else got!r} ids, expected {len(want)}): "
+                "distillation scores the student's token ids"
+            )
+
+    async def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        if not self.checked:
+            await self.check_vocab()
+            self.checked = True
+        payload = {"input_ids": seqs, "sampling_params": {"max_new_tokens": 0},
+                   "return_logprob": True, "logprob_start_len": 0}  # fmt: skip
+        limit = (1 << 16) + MAX_RESPONSE_BYTES_PER_TOKEN * sum(map(len, seqs))
+        answer = await self._post(payload, limit)
+        if not isinstance(answer, list) or len(answer) != len(seqs):
+            raise TeacherError(f"teacher {self.url}: expected {len(seqs)} results")
+        return [self._logprobs(item, ids) for item, ids in zip(answer, seqs, strict=True)]
+
+    def _logprobs(self, item: Any, ids: list[int]) -> list[float]:
+        try:
+            rows = item["meta_info"]["input_token_logprobs"]
+            if [int(r[1]) for r in rows] != ids:
+                raise TeacherError(f"teacher {self.url}: input_token_logprobs do not echo the ids")
+            out = [0.0] + [float(r[0]) for r in rows[1:]]  # nothing predicts token 0
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise TeacherError(f"teacher {self.url}: malformed input_token_logprobs") from None
+        if not all(math.isfinite(v) for v in out):
+            raise TeacherError(f"teacher {self.url}: a log-prob is not finite")
+        return out
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+class Teacher:
+    """Scores a step's trajectories; :attr:`scores` holds the step's teacher log-probs."""
+
+    def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
+        self.config = config.teacher
+        self.scorer = (
+            _RemoteScorer(config, tokenizer)
+            if self.config.endpoint
+            else _LocalScorer(config, tokenizer)
+        )
+        self.scores: dict[int, list[float]] = {}
+        """The teacher's log-prob of every token, by ``id`` of the trajectory (this step's)."""
+
+    async def score(self, groups: Sequence[Group], metrics: dict[str, float]) -> None:
+        """Score the groups' live trajectories into :attr:`scores`; update ``metrics``.
+
+        Adds ``distill/reverse_kl_mean`` (per sampled token), ``distill/tokens`` and
+        ``time/teacher_s``; a failed batch fails its episodes (``rollout/failed`` and
+        ``rollout/failed_teacher``).
+        """
+        t0 = time.perf_counter()
+        self.scores = {}
+        trajs = [t for g in groups for t in g.trajectories if not t.failed]
+        kl, tokens, failed = 0.0, 0, 0
+        size = self.config.batch_size
+        for start in range(0, len(trajs), size):
+            batch = trajs[start : start + size]
+            try:
+                scored = await self.scorer.score([list(t.tokens) for t in batch])
+            except (TeacherError, ServerError, ValueError) as exc:
+                for t in batch:  # left out of the update, counted as failed
+                    t.error = f"TeacherError: {str(exc).splitlines()[0][:500]}"
+                failed += len(batch)
+                continue
+            for t, lps in zip(batch, scored, strict=True):
+                self.scores[id(t)] = lps
+                kl += sum(s - q for s, q, m in zip(t.logprobs, lps, t.loss_mask, strict=True) if m)
+                tokens += t.num_response_tokens
+        metrics["distill/reverse_kl_mean"] = kl / max(tokens, 1)
+        metrics["distill/tokens"] = float(tokens)
+        metrics["time/teacher_s"] = time.perf_counter() - t0
+        if failed:
+            metrics["rollout/failed"] = metrics.get("rollout/failed", 0.0) + failed
+            metrics["rollout/failed_teacher"] = float(failed)
+
+    async def aclose(self) -> None:
+        """Stop the embedded engine or close the HTTP session."""
+        await self.scorer.aclose()
+
+
+def make_teacher(config: TrainConfig, tokenizer: Any) -> Teacher | None:
+    """The run's teacher, or ``None`` when ``teacher.model`` and ``teacher.endpoint`` are unset."""
+    return Teacher(config, tokenizer) if config.teacher.enabled else None
+
+
+def token_batch(
+    groups: Sequence[Group], config: TrainConfig, teacher: Teacher | None = None
+) -> tuple[list[Trajectory], list[torch.Tensor], int]:
+    """Trajectories that carry signal, with their per-token advantages, and zero-signal groups.
+
+    Failed episodes are left out. With a teacher, the advantages are
+    :func:`~agentrl.learner.distill.distill_token_advantages` of the scores it holds; without,
+    :func:`~agentrl.learner.advantages.compute_token_advantages`. A trajectory whose
+    advantages are zero everywhere would add nothing to the gradient and is not kept; a group
+    with none kept counts as zero-signal.
+    """
+    adv = config.advantages
+    trajs: list[Trajectory] = []
+    advs: list[torch.Tensor] = []
+    zero_signal = 0
+    for g in groups:
+        ok = [t for t in g.trajectories if not t.failed]
+        if not ok:
+            continue
+        clean = Group(task=g.task, trajectories=ok)
+        if teacher is None:
+            per_token = compute_token_advantages(clean, adv.shapers, eps=adv.eps)
+        else:
+            per_token, _, _ = distill_token_advantages(
+                clean, [teacher.scores[id(t)] for t in ok], mode=teacher.config.mode,
+                kl_coef=teacher.config.kl_coef, shapers=adv.shapers, eps=adv.eps,
+            )  # fmt: skip
+        keep = [(t, a) for t, a in zip(ok, per_token, strict=True) if bool(a.any())]
+        zero_signal += not keep
+        trajs += [t for t, _ in keep]
+        advs += [a for _, a in keep]
+    return trajs, advs, zero_signal
