@@ -7,7 +7,9 @@ never to envs. ``close()`` is idempotent and always runs, however the episode en
 
 Register with one line, ``register("name-v0", "package.module:Class")``, and the env is found by
 both ``agentrl.make("name-v0")`` and ``gymnasium.make("agentrl/name-v0")``. The CLI finds an env
-registered in your own module or file through ``--import`` (:func:`import_envs`).
+registered in your own module or file through ``--import`` (:func:`import_envs`). An OpenEnv
+environment needs no registering: ``openenv:http://HOST:PORT`` or ``openenv:module:Class``
+(:mod:`agentrl.envs.openenv_env`).
 """
 
 from __future__ import annotations
@@ -383,6 +385,22 @@ def env_class(env_id: str) -> Callable[..., Env]:
     Raises:
         ConfigError: no env is registered as ``env_id``; the message says how to import one.
     """
+    spec = _spec(env_id)
+    if isinstance(spec.entry_point, str):
+        module, _, attr = spec.entry_point.partition(":")
+        factory: Callable[..., Env] = getattr(importlib.import_module(module), attr)
+        return factory
+    return spec.entry_point
+
+
+def _spec(env_id: str) -> _Spec:
+    """The registered spec of ``env_id``; ``openenv:<URL or module:Class>`` needs no registering."""
+    if env_id.startswith("openenv:"):  # an entry point like a builtin's; openenv loads lazily
+        if importlib.util.find_spec("openenv") is None:
+            raise ConfigError(
+                f"env.id: {env_id} needs openenv-core; pip install 'agentrl[openenv]'"
+            )
+        return _Spec(env_id, "agentrl.envs.openenv_env:OpenEnvEnv", {"target": env_id})
     _load_builtins()
     spec = _REGISTRY.get(env_id)
     if spec is None:
@@ -391,18 +409,13 @@ def env_class(env_id: str) -> Callable[..., Env]:
             f"{sorted(_REGISTRY)}. An env registered in your own file or module is found with "
             "--import my_env.py (or imports = [\"my_env.py\"] in the config)"
         )
-    if isinstance(spec.entry_point, str):
-        module, _, attr = spec.entry_point.partition(":")
-        factory: Callable[..., Env] = getattr(importlib.import_module(module), attr)
-        return factory
-    return spec.entry_point
+    return spec
 
 
 def make(env_id: str, **kwargs: Any) -> Env:
     """A new instance of the env registered as ``env_id`` (kwargs override registered ones)."""
-    _load_builtins()
     factory = env_class(env_id)
-    env = factory(**{**_REGISTRY[env_id].kwargs, **kwargs})
+    env = factory(**{**_spec(env_id).kwargs, **kwargs})
     if not isinstance(env, Env):
         raise EnvError(f"{env_id}: entry point made {type(env).__name__}, expected an agentrl Env")
     return env

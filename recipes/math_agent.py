@@ -2,6 +2,8 @@
 
     python recipes/math_agent.py --preset cpu-tiny-tool       # make demo: a tool agent on CPU
     python recipes/math_agent.py --preset cpu-tiny            # CPU, single turn, ~3 minutes
+    python recipes/math_agent.py --preset cpu-tiny-mcp        # cpu-tiny-tool, tool over MCP
+    python recipes/math_agent.py --preset cpu-tiny-distill    # CPU, distil cpu-tiny's export
     python recipes/math_agent.py --preset gpu-small           # one GPU, 25M model, < 10 min
     python recipes/math_agent.py --preset gpu-agent           # one GPU, a 4-turn tool agent
     python recipes/math_agent.py --preset qwen3-1.7b --endpoint http://gpu-host:30000
@@ -52,6 +54,31 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "check_every": 25},
         "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token",
                     "micro_batch_tokens": 1024},
+        "train": {"steps": 80, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 540},
+    },
+    # On-policy distillation on CPU: cpu-tiny's trained model (128 wide, 3 layers) teaches a
+    # student half as wide and 2 layers deep; the per-token reverse KL to the teacher is the
+    # whole advantage (teacher.mode=distill). Train the teacher first, then distil from its export:
+    #   python recipes/math_agent.py --preset cpu-tiny --run_dir=runs/math-teacher
+    #   python recipes/math_agent.py --preset cpu-tiny-distill
+    # (another teacher: --teacher.model=DIR, or a served one: --teacher.endpoint=URL)
+    "cpu-tiny-distill": {
+        "name": "math-cpu-tiny-distill",
+        "model": {"tiny": {"hidden_size": 64, "intermediate_size": 192,
+                           "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 32,
+                           "num_key_value_heads": 1}},
+        "env": {
+            "id": "math-v0",
+            "kwargs": {"prompt_template": "{question}=", "extract": "last_number"},
+            "task_kwargs": {"source": "addition"},
+            "num_train_tasks": 4096,
+            "num_eval_tasks": 200,
+        },
+        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 6,
+                    "max_total_tokens": 64, "temperature": 1.0},
+        "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "gspo_token",
+                    "micro_batch_tokens": 1024},
+        "teacher": {"model": "runs/math-teacher/export", "mode": "distill", "kl_coef": 1.0},
         "train": {"steps": 80, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 540},
     },
     # One GPU, no download: a 25M-parameter Qwen3-architecture model built from config learns
@@ -139,6 +166,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "checkpoint_every": 20},
     },
 }
+
+# cpu-tiny-tool with its `add` tool served by an MCP server over stdio (add-mcp-v0, the server
+# agentrl/envs/mcp_add_server.py): the same conversations, only the tool's transport differs.
+PRESETS["cpu-tiny-mcp"] = copy.deepcopy(PRESETS["cpu-tiny-tool"])
+PRESETS["cpu-tiny-mcp"]["name"] = "math-cpu-tiny-mcp"
+PRESETS["cpu-tiny-mcp"]["env"]["id"] = "add-mcp-v0"
 
 
 def main(argv: list[str] | None = None) -> None:
