@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.errors import ConfigError, TrainingError
+from agentrl.errors import ConfigError
 from agentrl.pass_at_k import eval_metrics
 from agentrl.types import Group
 
@@ -230,21 +230,9 @@ def _out_dir(args: argparse.Namespace, env_id: str, run_dir: Path | None) -> Pat
 async def _client(cfg: Any, checkpoint: Path | None, tokenizer_name: str | None) -> Any:
     """The embedded engine ``agentrl train`` would build, or a client of the endpoints."""
     if cfg.inference.endpoints:
-        from transformers import AutoTokenizer
+        from agentrl.loop.jobs import endpoint_client
 
-        from agentrl.inference.client import SGLangClient
-        from agentrl.tiny import PRESETS, build_tiny_tokenizer
-
-        name = tokenizer_name or cfg.model.path
-        tok = build_tiny_tokenizer() if name in PRESETS else AutoTokenizer.from_pretrained(name)
-        client = SGLangClient(cfg.inference.endpoints, **cfg.inference.client_options())
-        if not await client.health():  # a dead server is one line, not a table of failures
-            await client.aclose()
-            raise TrainingError(
-                f"inference server {', '.join(cfg.inference.endpoints)} does not answer /health "
-                "(is it running? check --endpoint)"
-            )
-        return client, tok
+        return await endpoint_client(cfg, tokenizer_name)
     from agentrl.loop.placement import load_policy, make_local_engine
 
     model, tok = load_policy(cfg)

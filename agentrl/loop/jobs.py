@@ -384,6 +384,28 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         return asyncio.run(_rollout(args))
 
 
+async def endpoint_client(cfg: Any, tokenizer_name: str | None) -> tuple[Any, Any]:
+    """``(client, tokenizer)`` for ``cfg.inference.endpoints``, checked by ``/health`` first.
+
+    The tokenizer is ``tokenizer_name``'s, else ``model.path``'s (a preset builds its own).
+    """
+    from transformers import AutoTokenizer
+
+    from agentrl.inference.client import SGLangClient
+    from agentrl.tiny import PRESETS, build_tiny_tokenizer
+
+    name = tokenizer_name or cfg.model.path
+    tokenizer = build_tiny_tokenizer() if name in PRESETS else AutoTokenizer.from_pretrained(name)
+    client = SGLangClient(cfg.inference.endpoints, **cfg.inference.client_options())
+    if not await client.health():  # a dead server is one line, not a table of failures
+        await client.aclose()
+        raise TrainingError(
+            f"inference server {', '.join(cfg.inference.endpoints)} does not answer /health "
+            "(is it running? check inference.endpoints)"
+        )
+    return client, tokenizer
+
+
 async def _rollout(args: argparse.Namespace) -> int:
     from agentrl.data import tasks_for
     from agentrl.env import import_envs, make
@@ -395,22 +417,7 @@ async def _rollout(args: argparse.Namespace) -> int:
     config = cfg.rollout
     client: Any
     if cfg.inference.endpoints:
-        from transformers import AutoTokenizer
-
-        from agentrl.inference.client import SGLangClient
-        from agentrl.tiny import PRESETS, build_tiny_tokenizer
-
-        name = args.tokenizer or cfg.model.path
-        tokenizer = (
-            build_tiny_tokenizer() if name in PRESETS else AutoTokenizer.from_pretrained(name)
-        )
-        client = SGLangClient(cfg.inference.endpoints, **cfg.inference.client_options())
-        if not await client.health():  # a dead server is one line, not a table of failures
-            await client.aclose()
-            raise TrainingError(
-                f"inference server {', '.join(cfg.inference.endpoints)} does not answer /health "
-                "(is it running? check inference.endpoints)"
-            )
+        client, tokenizer = await endpoint_client(cfg, args.tokenizer)
     else:
         from agentrl.inference.engine import LocalEngine
 
