@@ -32,7 +32,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
 from agentrl.routing import RoutingCapture, expert_overlap
-from agentrl.tiny import build_tiny_moe
+from agentrl.tiny import QWEN3_30B_A3B_SHAPE, build_tiny_moe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_throughput import (  # noqa: E402
@@ -43,24 +43,6 @@ from engine_throughput import (  # noqa: E402
     sync,
 )
 
-QWEN3_30B_A3B_SHAPE: dict[str, Any] = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    tie_word_embeddings=False,
-    router_aux_loss_coef=0.0,
-)
-"""Qwen3-30B-A3B's config.json, less ``num_hidden_layers`` (48 there)."""
-
 
 def build(args: argparse.Namespace) -> Any:
     """The model on ``args.device``: the 30B-A3B shape in bf16, or the tiny MoE (dry run)."""
@@ -70,9 +52,10 @@ def build(args: argparse.Namespace) -> Any:
         model, _ = build_tiny_moe(seed=0, num_hidden_layers=args.layers)
         return model.to(args.device).eval()
     config = Qwen3MoeConfig(
-        **QWEN3_30B_A3B_SHAPE,
-        num_hidden_layers=args.layers,
-        max_position_embeddings=args.prompt_len + args.new_tokens + 64,
+        **{**QWEN3_30B_A3B_SHAPE, "num_hidden_layers": args.layers,
+           "max_position_embeddings": args.prompt_len + args.new_tokens + 64},
+        rms_norm_eps=1e-6,
+        router_aux_loss_coef=0.0,
         eos_token_id=151645,
         pad_token_id=151643,
     )
