@@ -1,6 +1,6 @@
 """The distillation teacher of a run, and the step's per-token advantages with or without it.
 
-``teacher.model`` runs an embedded :class:`~agentrl.inference.engine.LocalEngine` on the
+``teacher.model`` runs a model of its own (right-padded batched forwards) on the
 policy's device (built like the policy: a ``tiny`` preset or an HF directory such as a trained
 run's ``RUN_DIR/export``); ``teacher.endpoint`` scores on an SGLang-compatible server through
 ``/generate`` with ``input_ids`` = the whole sequence, ``max_new_tokens`` 0, ``return_logprob``
@@ -31,6 +31,9 @@ from agentrl.types import Group, Trajectory
 ASCII = "".join(map(chr, range(32, 127)))
 VOCAB_PROBE = f"<|im_start|>user\n{ASCII}<|im_end|>\n<|im_start|>assistant\n<think>\n</think>\n"
 MAX_RESPONSE_BYTES_PER_TOKEN = 256  # an input_token_logprobs entry is ~30 bytes
+TOKENS_PER_FORWARD = 8192
+"""An embedded teacher's forward takes this many (padded) tokens at most: its float32 logits are
+``TOKENS_PER_FORWARD x vocab`` (5 GB for Qwen's vocabulary); a longer sequence goes alone."""
 
 
 class TeacherError(AgentRLError):
@@ -53,7 +56,6 @@ class _LocalScorer:
     """An embedded engine's teacher-forced log-probs (untempered, as SGLang's prompt ones)."""
 
     def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
-        from agentrl.inference.engine import LocalEngine
         from agentrl.loop.placement import load_policy
 
         t = config.teacher
@@ -65,15 +67,39 @@ class _LocalScorer:
             raise ConfigError(str(e).replace("model.path:", "teacher.model:", 1)) from None
         if (why := vocab_mismatch(tokenizer, tok)) is not None:
             raise ConfigError(f"teacher.model: {why}")
-        # no paged KV cache: the teacher only runs whole-sequence forwards
-        self.engine = LocalEngine(model, tok, max_batch_size=1, paged=False)
+        # no engine: the teacher only runs whole-sequence forwards, several sequences at once
+        self.model = model.eval()
+        self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 32768)
 
     async def score(self, seqs: list[list[int]]) -> list[list[float]]:
-        runs = [self.engine.prompt_logprobs(ids, temperature=1.0) for ids in seqs]
-        return [[0.0, *lps] for lps in await asyncio.gather(*runs)]
+        if any(len(ids) > self.max_len for ids in seqs):
+            raise ServerError(f"a sequence is longer than the teacher's context ({self.max_len})")
+        return await asyncio.to_thread(self._score, seqs)
+
+    def _score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs, right-padded forwards of at most ``TOKENS_PER_FORWARD``."""
+        out: dict[int, list[float]] = {}
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        while order:
+            rows = [order.pop()]  # the longest left, then as many as fit beside it
+            while order and len(seqs[rows[0]]) * (len(rows) + 1) <= TOKENS_PER_FORWARD:
+                rows.append(order.pop())
+            width = len(seqs[rows[0]])
+            dev = next(self.model.parameters()).device
+            ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+            mask = torch.zeros_like(ids)
+            for r, i in enumerate(rows):
+                ids[r, : len(seqs[i])] = torch.tensor(seqs[i], device=dev)
+                mask[r, : len(seqs[i])] = 1
+            with torch.inference_mode():  # right padding: causal rows never see it
+                logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                lps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            for r, i in enumerate(rows):
+                out[i] = [0.0, *lps[r, : len(seqs[i]) - 1].tolist()]
+        return [out[i] for i in range(len(seqs))]
 
     async def aclose(self) -> None:
-        await self.engine.aclose()
+        pass
 
 
 class _RemoteScorer:
