@@ -2,9 +2,9 @@
 
 A Qwen3-MoE decoder layer runs here as the dense layer's half before attention
 (:func:`~agentrl.kernels.fused_layer.layer_pre`, with its paged KV write), paged attention, then
-:func:`attention_out` (output projection, residual, post-attention norm), :func:`route` and the
-learner's :func:`~agentrl.kernels.moe.moe_mlp` (tokens sorted by expert, one grouped matmul for
-gate + up and one for down on CUDA in bf16, the weighted float32 combine).
+the learner's ``attention_out`` (output projection, residual, post-attention norm), :func:`route`
+and the learner's :func:`~agentrl.kernels.moe.moe_mlp` (tokens sorted by expert, one grouped
+matmul for gate + up and one for down on CUDA in bf16, the weighted float32 combine).
 
 - **Same numerics as the learner.** :func:`route` is transformers' ``*TopKRouter`` forward with
   its matmul inputs in the compute dtype, where the learner's ``torch.autocast`` casts them
@@ -29,23 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentrl.kernels.fused_layer import _rms_norm
 from agentrl.kernels.moe import _GROUPED_MM, is_sparse, moe_mlp
+from agentrl.kernels.packed_body import attention_out
 
 __all__ = ["RoutingSlots", "attention_out", "graphs_unavailable", "moe_post", "route"]
-
-
-def attention_out(
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    w_o: torch.Tensor,
-    b_o: torch.Tensor | None,
-    ln: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output projection and residual, then the post-attention norm: ``(x, h)``."""
-    x = x + F.linear(attn.flatten(1), w_o, b_o)
-    return x, _rms_norm(x, ln, eps)
 
 
 def route(

@@ -138,7 +138,7 @@ def _post_attention(
     return x + F.linear(F.silu(gate) * up, w_down)
 
 
-def _attention_out(
+def attention_out(
     x: torch.Tensor,
     attn: torch.Tensor,
     wo: torch.Tensor,
@@ -181,7 +181,7 @@ def _varlen_half(
     """An MoE layer up to its router: attention, residual, post-attention norm; ``(x, h)``."""
     q, k, v = _pre_attention(x, cos, sin, *pre)
     attn = varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
-    return _attention_out(x, attn, *post)
+    return attention_out(x, attn, *post)
 
 
 def _selective_varlen_layer(*args: Any) -> torch.Tensor:
@@ -259,7 +259,7 @@ class PackedBody:
         self._sparse = [is_sparse(layer.mlp) for layer in base.layers]
         if batch_invariant and any(self._sparse):
             raise ValueError("batch_invariant: dense models only (this one has expert layers)")
-        self._out: Callable[..., Any] = _attention_out
+        self._out: Callable[..., Any] = attention_out
         self._half: Callable[..., Any] = _selective_varlen_half if selective else _varlen_half
         self._experts: Callable[..., Any] = selective_moe_mlp if selective else moe_mlp
         # what runs layer i: _block itself, or an FSDP2 forward method around it (shard_ready)
@@ -272,7 +272,7 @@ class PackedBody:
             self._post = torch.compile(_post_attention, dynamic=True, options=options)
             self._varlen_layer = torch.compile(layer_fn, dynamic=True, options=options)
             if any(self._sparse):
-                self._out = torch.compile(_attention_out, dynamic=True, options=options)
+                self._out = torch.compile(attention_out, dynamic=True, options=options)
                 self._half = torch.compile(self._half, dynamic=True, options=options)
                 self._experts = torch.compile(self._experts, dynamic=True, options=options)
 
