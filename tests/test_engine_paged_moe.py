@@ -180,8 +180,8 @@ def test_benchmark_dry_run_reports_both_paths(monkeypatch) -> None:
     spec.loader.exec_module(bench)
     result = bench.main(["--dry-run"])
     assert result["hf_tokens_per_s"] > 0 and result["paged_tokens_per_s"] > 0
-    assert result["speedup"] == pytest.approx(
-        result["paged_tokens_per_s"] / result["hf_tokens_per_s"], rel=0.01
+    assert result["speedup"] == pytest.approx(  # the speedup is printed to 2 decimals
+        result["paged_tokens_per_s"] / result["hf_tokens_per_s"], rel=0.01, abs=0.006
     )
     assert result["logprob_mismatch"] < TOL and result["routing_agreement"] == 1.0
     assert result["paged_path"].startswith("paged (Qwen3MoeForCausalLM") and result["card"]
