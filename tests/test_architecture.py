@@ -26,7 +26,15 @@ FORBIDDEN = {
     "agentrl.report": ["agentrl.rollout", "agentrl.inference", "agentrl.learner", "agentrl.loop"],
     "agentrl.envs": ["agentrl.learner", "agentrl.loop", "agentrl.kernels"],
     "agentrl.verifiers": ["agentrl.learner", "agentrl.loop", "agentrl.rollout", "agentrl.kernels"],
+    # agentrl.inference by side: the client talks to any SGLang server, the engine serves whoever
+    # asks, the server hosts the engine (only through its package: test_server_hosts_the_engine_...)
+    "agentrl.inference.client": ["agentrl.inference.engine", "agentrl.inference.server"],
+    "agentrl.inference.engine": ["agentrl.inference.client", "agentrl.inference.server"],
+    "agentrl.inference.server": ["agentrl.inference.client"],
 }
+INFERENCE_SIDES = (
+    "agentrl.inference.client", "agentrl.inference.engine", "agentrl.inference.server",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -67,6 +75,41 @@ def test_the_layout_is_there() -> None:
         assert f"agentrl.{pkg}" in MODULES, pkg
         doc = ast.get_docstring(ast.parse(MODULES[f"agentrl.{pkg}"].read_text()))
         assert doc and "never import" in doc, f"agentrl.{pkg} must say what it never imports"
+
+
+@pytest.mark.parametrize("side", INFERENCE_SIDES)
+def test_each_inference_side_says_what_it_never_imports(side: str) -> None:
+    doc = ast.get_docstring(ast.parse(MODULES[side].read_text()))
+    assert doc and "never import" in doc, f"{side} must say what it never imports"
+
+
+def test_server_hosts_the_engine_through_its_package_alone() -> None:
+    # agentrl.inference.engine (LocalEngine, PAUSE_MODES, PauseMode) is the one interface
+    engine = "agentrl.inference.engine"
+    bad = [
+        (name, dep)
+        for name, deps in GRAPH.items()
+        if name.startswith("agentrl.inference.server.")
+        for dep in deps
+        if dep.startswith(engine + ".")
+    ]
+    assert not bad, bad
+
+
+def test_shared_inference_modules_import_no_side() -> None:
+    # base, sglang_api, routing_records, api_keys, weight_group, weight_ipc: what the sides share
+    shared = [
+        n for n in GRAPH
+        if n.startswith("agentrl.inference.") and n.count(".") == 2 and n not in INFERENCE_SIDES
+    ]
+    assert "agentrl.inference.base" in shared and "agentrl.inference.sglang_api" in shared
+    bad = [
+        (name, dep)
+        for name in shared + ["agentrl.inference"]
+        for dep in GRAPH[name]
+        if any(dep == side or dep.startswith(side + ".") for side in INFERENCE_SIDES)
+    ]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -12,7 +12,7 @@ before it are -1 in ``GenerateOutput`` and not sent on the wire.
 
 How the embedded engine fills it (:class:`RoutingRecorder`, :class:`RequestRouting`; the paged
 path reads each step's rows from the routing it keeps by KV slot instead of hooks, with the same
-rules: :mod:`~agentrl.inference.paged_moe`):
+rules: :mod:`~agentrl.inference.engine.paged_moe`):
 
 - A step that carries at least one request which asked runs under
   :class:`~agentrl.routing.RoutingCapture`; the router rows are split per request: a decode step

@@ -37,8 +37,8 @@ from agentrl import fast_json
 from agentrl.errors import ServerError
 from agentrl.inference.api_keys import bearer, key_for
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.inference.client_control import ControlPlane
-from agentrl.inference.endpoints import (
+from agentrl.inference.client.control import ControlPlane
+from agentrl.inference.client.endpoints import (
     Active,
     Endpoint,
     EndpointPool,

@@ -1,7 +1,7 @@
 """The read-only routes of ``agentrl serve``: model identity, startup configuration, load.
 
-A mixin of :class:`~agentrl.inference.server.EngineServer` (``/model_info``, ``/server_info``,
-``/v1/models``, ``/v1/loads``), in SGLang's shapes. Nothing here reports a key.
+A mixin of :class:`~agentrl.inference.server.engine_server.EngineServer` (``/model_info``,
+``/server_info``, ``/v1/models``, ``/v1/loads``), in SGLang's shapes. Nothing here reports a key.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 - **CUDA graphs.** A decode step (embedding, every layer, KV write, paged attention, head) is
   captured once per batch-size bucket on first use and replayed: static input buffers, one
   (pinned) copy of the step's metadata to the device, one graph launch, which also samples the
-  next tokens (:func:`~agentrl.inference.sampling.sample`), so a step reads back ``(2, B)``
+  next tokens (:func:`~agentrl.inference.engine.sampling.sample`), so a step reads back ``(2, B)``
   numbers, not the logits. Rows of a bucket past the batch write to the scratch page.
 - **Steps without the host.** The captured step ends by advancing its own inputs (the sampled
   token is fed next, at the next position and KV slot, with the next noise key), so
@@ -19,8 +19,8 @@
   of steps instead of once per token.
 - Prefill runs on the packed new tokens of every joining sequence (cached prefixes are not
   recomputed), keeping each one's last logits; with CUDA graphs, up to ``prefill_graph_tokens``
-  tokens replay a graph of their bucket (:mod:`~agentrl.inference.prefill_graphs`).
-- **Expert layers** (Qwen3-MoE): :mod:`~agentrl.inference.paged_moe` (routing kept by KV slot).
+  tokens replay a graph of their bucket (:mod:`~agentrl.inference.engine.prefill_graphs`).
+- **Expert layers** (Qwen3-MoE): :mod:`~agentrl.inference.engine.paged_moe`, routing by KV slot.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from agentrl.inference import paged_moe
-from agentrl.inference.kv_cache import PagedKVCache
-from agentrl.inference.prefill_graphs import PrefillGraphs, pack_prefill
-from agentrl.inference.sampling import row_keys, sample
+from agentrl.inference.engine import paged_moe
+from agentrl.inference.engine.kv_cache import PagedKVCache
+from agentrl.inference.engine.prefill_graphs import PrefillGraphs, pack_prefill
+from agentrl.inference.engine.sampling import row_keys, sample
 from agentrl.kernels import invariant
 from agentrl.kernels.fused_layer import (
     _rms_norm,
@@ -321,7 +321,7 @@ class PagedRunner:
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`~agentrl.inference.sampling.sample` (exact mode: exact log-probs).
+        """:func:`~agentrl.inference.engine.sampling.sample` (exact mode: exact log-probs).
 
         In the exact mode the log-probs come from
         :func:`~agentrl.kernels.invariant.token_logprobs`, as the learner's do.

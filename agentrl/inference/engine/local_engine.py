@@ -1,6 +1,6 @@
 """The embedded inference engine: a transformers causal LM behind the ``InferenceClient`` protocol.
 
-- **One scheduler.** An asyncio task owns every request's state (``_engine_ops.Batcher``); each
+- **One scheduler.** An asyncio task owns every request's state (``batcher.Batcher``); each
   step's torch work runs on the engine's own threads (``worker.py``) while the event loop stays
   free. State changes on the event loop only, between steps. The requests a step finishes get
   their results once the next step is launched: their callers' Python held the GIL while the
@@ -18,9 +18,10 @@
 - **Routing records** of MoE models, per request: :mod:`~agentrl.inference.routing_records`.
 - **Two paths** (:attr:`LocalEngine.path` says which and why). On CUDA (Qwen3, Qwen2, Llama,
   Qwen3-MoE) the *paged* path: paged KV cache with prefix reuse, CUDA-graph decode, the learner's
-  layer math (MoE: :mod:`~agentrl.inference.paged_moe`); its exact mode (``batch_invariant``)
-  returns the learner's exact-mode log-probs bit for bit. Elsewhere transformers' forward over
-  one left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from teacher forcing).
+  layer math (MoE: :mod:`~agentrl.inference.engine.paged_moe`); its exact mode
+  (``batch_invariant``) returns the learner's exact-mode log-probs bit for bit. Elsewhere
+  transformers' forward over one left-padded ``DynamicCache`` (float32 on CPU: ~1e-6 from
+  teacher forcing).
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ from typing import Any, Literal
 import torch
 
 from agentrl.errors import ServerError
-from agentrl.inference._engine_ops import Batcher, ModelRunner, Request
 from agentrl.inference.base import GenerateOutput, SamplingParams
-from agentrl.inference.engine_path import choose_path
-from agentrl.inference.model_io import WeightLoader, eos_token_ids, load_model, read_safetensors_dir
-from agentrl.inference.paged_batcher import build_paged
-from agentrl.inference.paged_runner import PagedRunner
+from agentrl.inference.engine import model_io
+from agentrl.inference.engine.batcher import Batcher, Request
+from agentrl.inference.engine.dense_runner import ModelRunner
+from agentrl.inference.engine.paged_batcher import build_paged
+from agentrl.inference.engine.paged_runner import PagedRunner
+from agentrl.inference.engine.path_choice import choose_path
+from agentrl.inference.engine.worker import in_worker
 from agentrl.inference.routing_records import RoutingRecorder, records_routing, refusal
 from agentrl.inference.sglang_api import request_problem, warn_if_truncating
-from agentrl.inference.worker import in_worker
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +110,12 @@ class LocalEngine:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
-        self.model, self._loader = model.eval(), WeightLoader(model)
+        self.model, self._loader = model.eval(), model_io.WeightLoader(model)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self._version = int(weight_version)
-        self._eos = eos_token_ids(model, tokenizer)
+        self._eos = model_io.eos_token_ids(model, tokenizer)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
         self._runner = ModelRunner(model, pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0))
         # Unseeded: fresh entropy, without reseeding torch's global generator.
@@ -175,7 +177,7 @@ class LocalEngine:
         float32, so that sampled and recomputed log-probs agree to float tolerance.
         """
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_model(path_or_preset, device, dtype)
+        model, tokenizer = model_io.load_model(path_or_preset, device, dtype)
         return cls(model, tokenizer, max_batch_size=max_batch_size, device=device, dtype=dtype,
                    weight_version=weight_version,
                    return_routed_experts=return_routed_experts)  # fmt: skip
@@ -297,7 +299,7 @@ class LocalEngine:
             ServerError: the directory is missing or its weights do not fit the model.
         """
         try:
-            state_dict = await in_worker(read_safetensors_dir, model_path)
+            state_dict = await in_worker(model_io.read_safetensors_dir, model_path)
         except Exception as exc:  # missing dir, unreadable or corrupt files: the caller's input
             raise ServerError(f"weight update failed: {exc}", endpoint="local", status=400) from exc
         await self.update_weights_from_state_dict(state_dict, weight_version)

@@ -1,4 +1,4 @@
-"""Endpoint bookkeeping of :class:`~agentrl.inference.client.SGLangClient`.
+"""Endpoint bookkeeping of :class:`~agentrl.inference.client.sglang_client.SGLangClient`.
 
 Which endpoints are in rotation, which session sticks to which endpoint, where a new request
 goes (the healthy endpoint with the fewest requests in flight), and the backoff between tries.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-logger = logging.getLogger("agentrl.inference.client")
+logger = logging.getLogger("agentrl.inference.client.sglang_client")
 
 
 def backoff_delay(first_s: float, attempt: int, cap_s: float = 5.0) -> float:

@@ -120,7 +120,7 @@ class PrefillGraphs:
     sequences.
 
     Args:
-        runner: the :class:`~agentrl.inference.paged_runner.PagedRunner` whose ``_forward``
+        runner: the :class:`~agentrl.inference.engine.paged_runner.PagedRunner` whose ``_forward``
             the graphs capture (CUDA graphs on).
         max_tokens: the largest token bucket holds at least this many tokens.
     """

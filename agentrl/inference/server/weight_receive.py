@@ -38,9 +38,9 @@ from aiohttp import web
 
 from agentrl.errors import ServerError
 from agentrl.inference.engine import LocalEngine
-from agentrl.inference.server_requests import json_body
+from agentrl.inference.server.requests import json_body
+from agentrl.inference.server.weight_files import in_thread
 from agentrl.inference.sglang_api import RequestError, parse_weight_version
-from agentrl.inference.weight_files import in_thread
 from agentrl.inference.weight_group import GROUP_NAME, WeightGroup, open_group, parse_dtype
 from agentrl.inference.weight_ipc import PayloadLimits, load_named_tensors
 

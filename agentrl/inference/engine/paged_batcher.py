@@ -1,6 +1,6 @@
 """Continuous batching over the paged KV cache (the engine's fast path).
 
-The request lifecycle, aborts, pauses and versions are :class:`~agentrl.inference._engine_ops.
+The request lifecycle, aborts, pauses and versions are :class:`~agentrl.inference.engine.batcher.
 Batcher`'s; this subclass changes where the cache lives and how a step is computed:
 
 - **Pages, not a batch tensor.** A running request owns pages and a block-table row; joining
@@ -34,13 +34,13 @@ from typing import Any, cast
 import torch
 
 from agentrl.errors import ServerError
-from agentrl.inference import prefill_graphs
-from agentrl.inference._engine_ops import Batcher, Request, StepPlan
-from agentrl.inference.kv_cache import page_bytes
-from agentrl.inference.paged_moe import slots_of
-from agentrl.inference.paged_runner import PagedRunner, RunCut
+from agentrl.inference.engine import prefill_graphs
+from agentrl.inference.engine.batcher import Batcher, Request, StepPlan
+from agentrl.inference.engine.kv_cache import page_bytes
+from agentrl.inference.engine.paged_moe import slots_of
+from agentrl.inference.engine.paged_runner import PagedRunner, RunCut
+from agentrl.inference.engine.sampling import row_keys
 from agentrl.inference.routing_records import StepRows
-from agentrl.inference.sampling import row_keys
 from agentrl.kernels.transfer import device_context, to_device, to_host
 
 DEFAULT_KV_CACHE_FRAC = 0.5
@@ -352,7 +352,7 @@ class PagedBatcher(Batcher):
 
 
 def step_meta(reqs: list[Request], n_decode: int, page_size: int) -> torch.Tensor:
-    """``(9, len(reqs))`` int64 :data:`~agentrl.inference.paged_runner.DECODE_META` of a step.
+    """``(9, len(reqs))`` int64 ``DECODE_META`` (:mod:`~agentrl.inference.engine.paged_runner`).
 
     The first ``n_decode`` requests decode (they feed their last sampled token at position
     ``kv_len``); the others join (only their sampling columns are read).

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentrl.errors import ServerError
-from agentrl.inference.endpoints import Endpoint
+from agentrl.inference.client.endpoints import Endpoint
 from agentrl.inference.sglang_api import check_update_response
 from agentrl.inference.weight_ipc import dump_named_tensors
 

@@ -18,8 +18,8 @@ SGLang; ``/model_info`` adds ``routed_experts_shape`` (``[layers, top_k]``, ``nu
 so that clients can shape ``meta_info.routed_experts``.
 
 Who may call what (keys, ``Host``, ``Origin``, JSON-only state changes) is
-:mod:`~agentrl.inference.server_guard`'s; which directories ``/update_weights_from_disk`` reads
-is :mod:`~agentrl.inference.weight_files`'s.
+:mod:`~agentrl.inference.server.guard`'s; which directories ``/update_weights_from_disk`` reads
+is :mod:`~agentrl.inference.server.weight_files`'s.
 """
 
 from __future__ import annotations
@@ -40,9 +40,16 @@ from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.engine import PAUSE_MODES, LocalEngine, PauseMode
 from agentrl.inference.routing_records import to_wire
-from agentrl.inference.server_guard import Guard, allowed_hosts, warn_if_open
-from agentrl.inference.server_info import InfoRoutes
-from agentrl.inference.server_requests import GenerateItem, json_body, parse_generate
+from agentrl.inference.server.guard import Guard, allowed_hosts, warn_if_open
+from agentrl.inference.server.info_routes import InfoRoutes
+from agentrl.inference.server.requests import GenerateItem, json_body, parse_generate
+from agentrl.inference.server.weight_files import (
+    WeightPathError,
+    max_weight_bytes,
+    read_weights,
+    resolve_dirs,
+)
+from agentrl.inference.server.weight_receive import WeightReceiver
 from agentrl.inference.sglang_api import (
     ContractError,
     RequestError,
@@ -50,13 +57,6 @@ from agentrl.inference.sglang_api import (
     parse_weight_version,
     version_spans,
 )
-from agentrl.inference.weight_files import (
-    WeightPathError,
-    max_weight_bytes,
-    read_weights,
-    resolve_dirs,
-)
-from agentrl.inference.weight_receive import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class EngineServer(InfoRoutes):
         served_model_name: the model id of ``/v1/models`` (default: ``model_path``).
         weight_version: the label of the engine's current weights (SGLang's ``"default"``).
         max_body_bytes: the largest request body accepted (larger ones get a 413).
-        guard: keys and allowed hosts (:class:`~agentrl.inference.server_guard.Guard`;
+        guard: keys and allowed hosts (:class:`~agentrl.inference.server.guard.Guard`;
             default: no keys, loopback names only).
         weights_dirs: the directories ``/update_weights_from_disk`` may read (and their
             subdirectories); none: that route refuses every path.
@@ -281,7 +281,7 @@ class EngineServer(InfoRoutes):
         """Load an HF directory under an allowed one; ``weight_version`` becomes the live label.
 
         The directory and its files are checked before anything is opened, and read within
-        ``weights_timeout_s`` (:func:`~agentrl.inference.weight_files.read_weights`).
+        ``weights_timeout_s`` (:func:`~agentrl.inference.server.weight_files.read_weights`).
         """
         body = await json_body(request, default={})
         path, label = body.get("model_path"), body.get("weight_version")

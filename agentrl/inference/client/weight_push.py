@@ -232,8 +232,8 @@ def _push_error(
 class TensorWeightPush:
     """``inference.weight_sync="tensor"``: each version to every endpoint by handle.
 
-    The same interface as :class:`~agentrl.inference.weight_push.DistributedWeightPush`, for a
-    trainer whose servers run on its own host (a colocated server on the learner's card).
+    The same interface as :class:`DistributedWeightPush`, for a trainer whose servers run on its
+    own host (a colocated server on the learner's card).
 
     Args:
         endpoints: the servers' URLs.
@@ -261,7 +261,7 @@ class TensorWeightPush:
         Raises:
             ServerError: an endpoint refused the update, or none answered.
         """
-        from agentrl.inference.client import SGLangClient
+        from agentrl.inference.client.sglang_client import SGLangClient
 
         t0 = time.perf_counter()
         if self._client is None:
