@@ -22,7 +22,7 @@ Reported per phase, over its timed steps: trained tokens/s (prompt + response to
 trained sequences; the median of the steps' figures), GPU busy (``nvidia-smi``'s utilisation
 sampled every 100 ms, the share of time a kernel ran; ``--kernel-trace``: the union of the
 card's kernel intervals over the wall time from a CUDA-only profiler trace, exact but slow to
-read for long phases; ``_loop_probes``),
+read for long phases; ``_card_busy``),
 the wall-time split (``time_split``: shares of ``push``, ``update``, ``generation``,
 ``env_wait`` and ``idle``; an instant counts for the first of them running, so in the
 overlapped loop generation during an update counts as update), the share of re-sent history
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # benchmarks/ is a folder of scripts, not a package
 from _agent_workload import AgentEnv, HistoryClient, Spans, Workload  # noqa: E402
-from _loop_probes import GpuBusy, KernelBusy  # noqa: E402
+from _card_busy import GpuBusy, KernelBusy  # noqa: E402
 
 from agentrl.config import load_config  # noqa: E402
 from agentrl.loop.pipeline import Pipeline  # noqa: E402

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from agentrl.inference.paged_runner import DECODE_META, PagedRunner
+from agentrl.inference.engine.paged_runner import DECODE_META, PagedRunner
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model
 
 ONE_BITS = int(torch.tensor(1.0).view(torch.int32))

@@ -43,7 +43,7 @@ from _faults_runs import resume_scenarios, run_scenarios, train_reference
 from _faults_server import hostile_scenarios, hostile_table
 
 from agentrl.env import Env, StepResult, make
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.rollout.engine import JsonlSink, RolloutConfig, RolloutEngine
 from agentrl.tiny import build_tiny_tokenizer
 

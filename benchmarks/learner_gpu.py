@@ -24,7 +24,7 @@ Times are medians of ``--repeats`` updates after ``--warmup`` (5) updates: the c
 kernels autotune for the first few batch shapes they meet, so early steps are slower; both
 sides get the same warm-up.
 
-TRL (``benchmarks/_trl_side.py``; TRL's wheel carried with ``benchmarks/trl_wheels.sh``):
+TRL (``benchmarks/trl_side/``; TRL's wheel carried with ``benchmarks/trl_wheels.sh``):
 ``GRPOTrainer``'s own loss path in the GSPO settings, bf16 weights, without and with gradient
 checkpointing.
 
@@ -51,11 +51,10 @@ Usage: ``python benchmarks/learner_gpu.py [--variants ...] [--no-trl]``
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +64,20 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.learner.distributed import StepStats
 from agentrl.learner.update import _Prepared
-from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_tokenizer, tiny_config
+from agentrl.tiny import QWEN3_0_6B_SHAPE, tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from learner_step import cpu_name, peak_matmul_tflops  # noqa: E402
+from harness import (  # noqa: E402,F401 (sync: for learner_profile)
+    add_common_args,
+    card,
+    emit,
+    free,
+    median,
+    side_by_side,
+    sync,
+    timed,
+)
+from learner_step import peak_matmul_tflops  # noqa: E402
 
 GIB = 2**30
 FAST: dict[str, Any] = dict(body="packed", head_dtype="bfloat16", compile=True)
@@ -176,17 +185,6 @@ def with_engine_logprobs(learner: Learner, samples: list[TrainSample]) -> list[T
     return out
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def learner_config(
     args: argparse.Namespace, overrides: dict[str, Any], **extra: Any
 ) -> LearnerConfig:
@@ -226,17 +224,11 @@ def run_variant(
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.repeats):
-        sync(device)
-        t = time.perf_counter()
-        learner.step(batch)
-        sync(device)
-        times.append(time.perf_counter() - t)
+    times = timed(partial(learner.step, batch), device, 0, args.repeats)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     del learner, model
     free(device)
-    step_s = statistics.median(times)
+    step_s = median(times)
     return dict(
         step_s=step_s,
         tokens_per_s=sum(len(s.tokens) for s in samples) / step_s,
@@ -277,38 +269,14 @@ def run_trl(
     batch: Batch,
     checkpointing: bool,
 ) -> dict[str, Any]:
-    from _trl_side import trl_update
+    from trl_side import trl_figures
 
-    model = build_model(args, args.device)
-    model.load_state_dict(init)
-    bf16 = args.device.type == "cuda"
-    if bf16:
-        model = model.to(torch.bfloat16)
-    prompts, completions, advantages = batch
-    result = trl_update(
-        model,
-        build_tiny_tokenizer(),
-        prompts,
-        completions,
-        advantages,
-        micro_batch_seqs=4,
-        gradient_checkpointing=checkpointing,
-        bf16=bf16,
-        lr=1e-6,
-        warmup=args.warmup,
-        repeats=args.repeats,
-    )
-    del model
-    free(args.device)
-    step_s = statistics.median(result.step_s)
-    return dict(
-        step_s=step_s,
-        tokens_per_s=result.tokens_per_step / step_s,
-        peak_gib=result.peak_mem_gib,
-        first_loss=result.first_loss,
-        first_grad_norm=result.first_grad_norm,
-        settings=result.settings,
-    )
+    def build() -> Qwen3ForCausalLM:
+        model = build_model(args, args.device)
+        model.load_state_dict(init)
+        return model
+
+    return trl_figures(build, batch, args.device, checkpointing, args.warmup, args.repeats)
 
 
 def run_long(args: argparse.Namespace, init: dict[str, torch.Tensor], machine: str) -> None:
@@ -375,8 +343,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-tokens", type=int, default=12288)
     parser.add_argument("--chunk-size", type=int, default=1024, help="head chunk (tokens)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_common_args(parser, warmup=5, repeats=3)
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
     parser.add_argument("--no-check", action="store_true", help="skip the float32 first-step check")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[],
@@ -408,7 +375,7 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     args.num_layers = model.config.num_hidden_layers
     del model
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    machine = card(device)
     if args.seq_lens:
         run_long(args, init, machine)
         return
@@ -421,15 +388,17 @@ def main() -> None:
     def mfu(tokens_per_s: float) -> float:
         return 6 * num_params * tokens_per_s / (peak_tflops * 1e12)
 
-    rows: dict[str, dict[str, Any]] = {}
-    for name in args.variants:
-        rows[name] = run_variant(args, init, samples, name)
-        print(f"# {name}: {rows[name]}", flush=True)
+    rows = side_by_side(
+        {name: partial(run_variant, args, init, samples, name) for name in args.variants},
+        lambda name, row: print(f"# {name}: {row}", flush=True),
+    )
     trl: dict[str, dict[str, Any]] = {}
     if not args.no_trl:
-        for ckpt in (False, True):
-            trl["trl+ckpt" if ckpt else "trl"] = run_trl(args, init, batch, ckpt)
-            print(f"# trl ckpt={ckpt}: {trl['trl+ckpt' if ckpt else 'trl']}", flush=True)
+        trl = side_by_side(
+            {"trl": partial(run_trl, args, init, batch, False),
+             "trl+ckpt": partial(run_trl, args, init, batch, True)},
+            lambda name, row: print(f"# trl ckpt={name == 'trl+ckpt'}: {row}", flush=True),
+        )  # fmt: skip
     # the headline: the fastest agentrl configuration whose peak memory is at most TRL's
     # (same checkpointing setting: none); without TRL, the fastest
     budget = trl["trl"]["peak_gib"] if trl else float("inf")
@@ -477,7 +446,7 @@ def main() -> None:
         "card": machine,
         "torch": torch.__version__,
     }
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

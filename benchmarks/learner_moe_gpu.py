@@ -20,7 +20,7 @@ the headline);
 ``transformers`` is agentrl's learner on transformers' own forward (its default ``grouped_mm``
 experts, sdpa with a block mask).
 
-TRL (``benchmarks/_trl_side.py``, TRL 1.16 ``GRPOTrainer``'s loss path, GSPO settings): bf16
+TRL (``benchmarks/trl_side/``, TRL 1.16 ``GRPOTrainer``'s loss path, GSPO settings): bf16
 weights and AdamW states, micro-batches of 4 sequences padded as TRL pads a generation batch,
 transformers' experts as configured (``--trl-experts``; transformers 5's default is
 ``grouped_mm``, its grouped-GEMM experts, not a Python loop).
@@ -41,10 +41,9 @@ Usage: ``python benchmarks/learner_moe_gpu.py [--layers 4] [--variants ...] [--n
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +51,12 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from agentrl.learner import Learner, LearnerConfig, TrainSample
-from agentrl.tiny import QWEN3_30B_A3B_SHAPE, build_tiny_tokenizer, tiny_moe_config
+from agentrl.tiny import QWEN3_30B_A3B_SHAPE, tiny_moe_config
 
 sys.path.insert(0, str(Path(__file__).parent))
-from learner_gpu import Batch, free, make_batch, samples_for, sync, with_engine_logprobs  # noqa: E402
-from learner_step import cpu_name, peak_matmul_tflops  # noqa: E402
+from harness import add_common_args, card, emit, free, median, sync, timed  # noqa: E402
+from learner_gpu import Batch, make_batch, samples_for, with_engine_logprobs  # noqa: E402
+from learner_step import peak_matmul_tflops  # noqa: E402
 
 GIB = 2**30
 # a variant is "transformers" or parts joined by "+": each part adds settings (NNk: micro-batches
@@ -153,13 +153,7 @@ def run_variant(
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-    times = []
-    for _ in range(args.repeats):
-        sync(device)
-        t = time.perf_counter()
-        learner.step(batch)
-        sync(device)
-        times.append(time.perf_counter() - t)
+    times = timed(partial(learner.step, batch), device, 0, args.repeats)
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else 0.0
     # cudaMalloc failures the caching allocator answered by freeing its cache and retrying:
@@ -172,7 +166,7 @@ def run_variant(
     body, metrics_on = learner.body, learner.config.routing_metrics
     del learner, model
     free(device)
-    step_s = statistics.median(times)
+    step_s = median(times)
     return dict(
         body=body,
         step_s=step_s,
@@ -191,39 +185,19 @@ def run_variant(
 def run_trl(
     args: argparse.Namespace, init: dict[str, torch.Tensor], batch: Batch
 ) -> dict[str, Any]:
-    from _trl_side import trl_update
+    from trl_side import trl_figures
 
-    model = build_model(args, experts=args.trl_experts)
-    model.load_state_dict(init)
-    bf16 = args.device.type == "cuda"
-    if bf16:
-        model = model.to(torch.bfloat16)
-    experts_impl = model.config._experts_implementation
-    prompts, completions, advantages = batch
-    result = trl_update(
-        model,
-        build_tiny_tokenizer(),
-        prompts,
-        completions,
-        advantages,
-        micro_batch_seqs=4,
-        gradient_checkpointing=False,
-        bf16=bf16,
-        lr=1e-6,
-        warmup=args.warmup,
-        repeats=args.repeats,
-    )
-    del model
-    free(args.device)
-    step_s = statistics.median(result.step_s)
-    return dict(
-        step_s=step_s,
-        tokens_per_s=result.tokens_per_step / step_s,
-        peak_gib=result.peak_mem_gib,
-        first_loss=result.first_loss,
-        first_grad_norm=result.first_grad_norm,
-        settings=dict(result.settings, experts_implementation=experts_impl),
-    )
+    seen: dict[str, Any] = {}
+
+    def build() -> Qwen3MoeForCausalLM:
+        model = build_model(args, experts=args.trl_experts)
+        model.load_state_dict(init)
+        seen["experts"] = model.config._experts_implementation
+        return model
+
+    figures = trl_figures(build, batch, args.device, False, args.warmup, args.repeats)
+    figures["settings"] = dict(figures["settings"], experts_implementation=seen["experts"])
+    return figures
 
 
 def parse_args() -> argparse.Namespace:
@@ -252,8 +226,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--profile", action="store_true", help="profile one update of the first variant"
     )
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_common_args(parser, warmup=4, repeats=3)
     parser.add_argument("--no-trl", action="store_true", help="skip TRL's side")
     parser.add_argument(
         "--time-budget",
@@ -296,7 +269,7 @@ def main() -> None:
     args.tokens = sum(len(s.tokens) for s in samples)
     peak_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak_tflops = peak_matmul_tflops(device, peak_dtype)
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    card_name = card(device)
 
     def mfu(tokens_per_s: float) -> float:
         return 6 * n_active * tokens_per_s / (peak_tflops * 1e12)
@@ -328,7 +301,7 @@ def main() -> None:
     headline = max(rows, key=lambda k: rows[k]["tokens_per_s"])
     best = rows[headline]
 
-    print(f"\ncard: {card}; measured {peak_dtype} matmul peak {peak_tflops:.0f} TFLOP/s")
+    print(f"\ncard: {card_name}; measured {peak_dtype} matmul peak {peak_tflops:.0f} TFLOP/s")
     print(
         f"model: {cfg.num_hidden_layers} layers, {cfg.num_experts} experts "
         f"(top {cfg.num_experts_per_tok}), {num_params / 1e9:.2f}B params, "
@@ -382,10 +355,10 @@ def main() -> None:
         "active_params": n_active,
         "tokens": args.tokens,
         "peak_tflops": round(peak_tflops, 1),
-        "card": card,
+        "card": card_name,
         "torch": torch.__version__,
     }
-    print(json.dumps(figures))
+    emit(figures)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +44,10 @@ from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.learner.logprobs import LogprobModel
 from agentrl.learner.packing import build_packed_batch, pack_sequences
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness  # noqa: E402
+from harness import card, median, sync  # noqa: E402
 
 QWEN3_06B = QWEN3_0_6B_SHAPE
 # per model: (sequences, prompt tokens, response min, response max, micro-batch tokens)
@@ -125,31 +129,9 @@ def make_batch(model: Qwen3ForCausalLM, args: argparse.Namespace, dtype: str) ->
     ]
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.machine()} ({os.cpu_count()} cores)"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median wall time of ``fn`` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median(harness.timed(fn, device, 1, repeats))
 
 
 def interleaved(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
@@ -301,7 +283,7 @@ def run(
     if device.type == "cuda":  # allocator peak includes the weights: compare what is above
         head_peak = {k: v - weights for k, v in head_peak.items()}
     ratio = head_peak[True] / head_peak[False]
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    machine = card(device)
     gib = 2**30
     rows = [
         ("device", machine),

@@ -16,7 +16,7 @@ card), the overlapped loop (``max_staleness=1``, with ``max_inflight_groups`` = 
 staleness bound admits, two steps' groups: ``--inflight-groups``), one optimizer step per batch
 (one learner micro-batch of up to 32,768 tokens: ``--micro-batch-tokens``). TRL:
 ``GRPOTrainer.train()`` with its own generation (``use_vllm=False``), GSPO settings as in
-``benchmarks/_trl_side.py`` (sequence-level ratio, epsilon 3e-4/4e-4, beta 0), one optimizer
+``benchmarks/trl_side/`` (sequence-level ratio, epsilon 3e-4/4e-4, beta 0), one optimizer
 step per generation batch of the same size. Trained tokens = prompt + response tokens of the
 trained sequences; the first ``--warmup`` steps of each side are not timed.
 
@@ -29,7 +29,7 @@ step, before the run's final evaluation and checkpoint), the engine's running ro
 every 10 ms over the timed steps, with the share of samples where requests were open but none
 ran: queued, settling after a resume, or in their first prefill; a ``[timeline]`` line gives
 each sample's running and waiting requests beside each timed step's end, wait, update and
-push, the card's busy share every 10 ms and its idle gaps (``_loop_probes.card_timeline``), and
+push, the card's busy share every 10 ms and its idle gaps (``_card_busy.card_timeline``), and
 the in-process engine's plans, pauses, resumes, pushes and arrivals (``EngineSteps``)), the
 in-process weight push (``time/sync_s``) and response tokens whose groups finished during
 updates (overlap).
@@ -85,26 +85,25 @@ from typing import Any
 
 import torch
 
-import agentrl.inference.engine as engine_module
-import agentrl.inference.prefill_graphs as prefill_module
+import agentrl.inference.engine.local_engine as engine_module
+import agentrl.inference.engine.prefill_graphs as prefill_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 # benchmarks/ is a folder of scripts, not a package
-from _gc_pauses import GcPauses  # noqa: E402
-from _loop_args import parse_args  # noqa: E402
-from _loop_probes import (  # noqa: E402
+from _card_busy import GpuBusy, KernelBusy  # noqa: E402
+from _engine_probes import (  # noqa: E402
     EngineRows,
     EngineSteps,
-    GpuBusy,
-    KernelBusy,
     SyncCount,
     allocator_counts,
     server_running_rows,
 )
+from _gc_pauses import GcPauses  # noqa: E402
+from _loop_args import parse_args  # noqa: E402
 from _serve import start_server, stop_server  # noqa: E402
 from _stack_sampler import StackSampler  # noqa: E402
-from _trl_loop import trl_loop  # noqa: E402
+from trl_side import trl_loop  # noqa: E402
 
 from agentrl.config import dump_config, load_config  # noqa: E402
 from agentrl.tiny import QWEN3_0_6B_SHAPE  # noqa: E402
@@ -157,7 +156,7 @@ def agentrl_loop(
     device-to-host synchronisations by call site (it slows them a little); ``engine_process``
     serves the engine from a process of its own on the card (weights pushed by handle);
     ``gaps`` splits each stream's idle time into host-late and device-side parts
-    (``_loop_probes.stream_gaps``; exports the timed steps' trace, slow for long runs).
+    (``_card_busy.stream_gaps``; exports the timed steps' trace, slow for long runs).
     """
     from agentrl.loop.trainer import Trainer
 

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import torch
 
 from agentrl.fast_json import loads
-from agentrl.inference.server import _json
+from agentrl.inference.server.engine_server import _json
 from agentrl.loop.health import write_records
 from agentrl.loop.trainer import Trainer
 from agentrl.types import Message, Task, Trajectory, TurnSpan

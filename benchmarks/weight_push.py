@@ -4,9 +4,10 @@ For each shape (random weights from config, no download) one ``agentrl serve --m
 subprocess serves the model, then this process pushes new weights as a trainer would:
 
 * ``disk``: write the HF checkpoint (safetensors) and ``POST /update_weights_from_disk``;
-* ``distributed``: :class:`~agentrl.inference.weight_push.DistributedWeightPush` broadcasts the
-  state dict bucket by bucket (``/update_weights_from_distributed``): NCCL between two GPUs
-  (this process on ``cuda:0``, the server on ``cuda:1``), gloo on a CPU-only host.
+* ``distributed``: :class:`~agentrl.inference.client.weight_push.DistributedWeightPush`
+  broadcasts the state dict bucket by bucket (``/update_weights_from_distributed``): NCCL
+  between two GPUs (this process on ``cuda:0``, the server on ``cuda:1``), gloo on a CPU-only
+  host.
 
 The first distributed push also forms the group; it is reported apart. Medians of ``--repeats``.
 
@@ -38,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _serve import start_server, stop_server  # noqa: E402 - benchmarks/ is a folder of scripts
 
-from agentrl.inference.client import SGLangClient  # noqa: E402
-from agentrl.inference.weight_push import DistributedWeightPush  # noqa: E402
+from agentrl.inference.client.sglang_client import SGLangClient  # noqa: E402
+from agentrl.inference.client.weight_push import DistributedWeightPush  # noqa: E402
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {

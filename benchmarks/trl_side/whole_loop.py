@@ -1,8 +1,7 @@
-"""``loop_gpu.py``'s TRL side: TRL 1.16's ``GRPOTrainer`` whole loop on a workload.
-
-Its own generation (``use_vllm=False``), GSPO settings as in ``_trl_side.py`` (sequence-level
-ratio, epsilon 3e-4/4e-4, beta 0), one optimizer step per generation batch, the hashed reward
-of ``_hash_env``.
+"""TRL's whole loop for ``loop_gpu.py``: ``GRPOTrainer.train()`` with its own generation
+(``use_vllm=False``) on one of ``loop_gpu.py``'s workloads, GSPO settings as in ``loss_path``
+(sequence-level ratio, epsilon 3e-4/4e-4, beta 0), one optimizer step per generation batch, the
+hashed reward of ``_hash_env``.
 """
 
 from __future__ import annotations
@@ -12,12 +11,12 @@ import time
 from typing import Any
 
 import torch
-from _hash_env import HashEnv, hashed_reward
 
 
 def trl_loop(w: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     """TRL's ``GRPOTrainer.train()`` on workload ``w`` (one of ``loop_gpu.py``'s), its own
     generation; trained tokens/s over the timed steps."""
+    from _hash_env import HashEnv, hashed_reward
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
