@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import agentrl.loop.trainer as trainer_module
+import agentrl.loop.assemble as assemble_module
 from agentrl.cli import main
 from agentrl.config import load_config
 from agentrl.config_reference import reference
@@ -28,7 +28,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(config: object) -> None:
         raise AssertionError("a model was built before the config was checked")
 
-    monkeypatch.setattr(trainer_module, "load_policy", refuse)
+    monkeypatch.setattr(assemble_module, "load_policy", refuse)
 
 
 def train(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

@@ -1,5 +1,9 @@
 """Where the parts of a run live: the policy, learner, cold start and embedded engine's card.
 
+:func:`agentrl.loop.assemble.assemble` makes a run's parts in order, with the makers here
+(:func:`load_policy`, :func:`make_local_engine`, :func:`make_remote_client`,
+:func:`make_weight_push`); the CLI's ``eval`` and ``serve`` call them too.
+
 ``model.device`` decides for everything that holds weights. ``auto`` is the GPU when there is
 one (under ``torchrun`` the rank's ``LOCAL_RANK`` card), else the CPU, so a CPU host runs as it
 always did. With no endpoint the embedded engine shares the learner's card: weight pushes copy
@@ -68,6 +72,9 @@ def resolve_device(
     if setting.startswith("cuda:"):
         return torch.device(setting)
     return torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+
+
+DEFAULT_KV_SHARE = 0.5  # of the free memory, as the paged engine's own default
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
@@ -149,7 +156,7 @@ def make_remote_client(model: Any, config: TrainConfig) -> Any:
     SGLang returns ``routed_experts`` as a flat array, so the client needs ``(layers, top_k)``,
     which only the policy (the same architecture the servers run) can tell.
     """
-    from agentrl.inference.client import SGLangClient
+    from agentrl.inference.client.sglang_client import SGLangClient
     from agentrl.routing import is_moe, routing_shape
 
     options = config.inference.client_options()
@@ -158,14 +165,32 @@ def make_remote_client(model: Any, config: TrainConfig) -> Any:
     return SGLangClient(config.inference.endpoints, **options)
 
 
+def learner_state_bytes(model: Any) -> int:
+    """Bytes a learner's first step adds for ``model``'s trainable parameters.
+
+    The gradients and AdamW's two moments, in the parameters' dtype. Both are allocated lazily,
+    after the engine has sized its cache; a cache sized on the free memory alone took them (a
+    Qwen3-4B shape ran out of memory at its first update on an H200).
+    """
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def make_local_engine(
-    model: Any, tokenizer: Any, config: TrainConfig, *, copy_model: bool = True
+    model: Any,
+    tokenizer: Any,
+    config: TrainConfig,
+    *,
+    copy_model: bool = True,
+    reserve_bytes: int = 0,
 ) -> Any:
     """The embedded engine on the policy's card, with its own copy of the weights.
 
     On a card the KV budget sizes the paged engine's cache; on the CPU path (whose cache grows
     per row) it caps the rows decoded together, so that their full-length caches fit it.
     ``copy_model=False`` hands the engine ``model`` itself (a copy the caller made earlier).
+    ``reserve_bytes``: memory the card must keep for a colocated learner beyond what it holds
+    now (:func:`learner_state_bytes`); with no ``kv_cache_gib``/``kv_cache_frac`` the cache then
+    takes half of the free memory less it.
     """
     from agentrl.inference.engine import LocalEngine
 
@@ -178,6 +203,13 @@ def make_local_engine(
     if device.type == "cuda" and "kv_cache_gib" in params:  # the paged engine sizes its cache
         frac = None if inf.kv_cache_gib is not None else inf.kv_cache_frac  # GiB wins
         kwargs.update(kv_cache_gib=inf.kv_cache_gib, kv_cache_frac=frac)
+        if inf.kv_cache_gib is None and frac is None and reserve_bytes:
+            free = int(torch.cuda.mem_get_info(device)[0])
+            gib = DEFAULT_KV_SHARE * max(free - reserve_bytes, 0) / 2**30
+            log.info("engine: KV cache %.1f GiB (half of %.1f GiB free less %.1f GiB kept for "
+                     "the learner's gradients and optimizer state)", gib, free / 2**30,
+                     reserve_bytes / 2**30)  # fmt: skip
+            kwargs["kv_cache_gib"] = max(gib, 1 / 1024)  # too small: the engine says so
     else:
         budget = kv_budget_bytes(inf.kv_cache_gib, inf.kv_cache_frac, device)
         per_token = kv_bytes_per_token(model.config, dtype)
@@ -206,12 +238,12 @@ def make_weight_push(config: TrainConfig, device: torch.device) -> Any:
         return None
     api_key, admin_key = inf.keys()
     if inf.weight_sync == "tensor":
-        from agentrl.inference.weight_push import TensorWeightPush
+        from agentrl.inference.client.weight_push import TensorWeightPush
 
         return TensorWeightPush(
             inf.endpoints, timeout_s=inf.timeout_s, api_key=api_key, admin_key=admin_key
         )
-    from agentrl.inference.weight_push import DistributedWeightPush
+    from agentrl.inference.client.weight_push import DistributedWeightPush
 
     port = inf.weight_sync_port
     if port == 0:
@@ -242,8 +274,8 @@ async def push_weights(
 
     In process (``remote_dir`` is ``None``) the state dict stays on the learner's card and the
     engine copies it device to device. Remote, with ``distributed`` (a
-    :class:`~agentrl.inference.weight_push.DistributedWeightPush`) the weights are broadcast to
-    the servers; else the learner writes a safetensors checkpoint in the export dtype (bf16 for
+    :class:`~agentrl.inference.client.weight_push.DistributedWeightPush`) the weights are broadcast
+    to the servers; else the learner writes a safetensors checkpoint in the export dtype (bf16 for
     a bf16 policy) that ``/update_weights_from_disk`` loads.
 
     Returns:

@@ -5,13 +5,14 @@ rewards into per-token advantages, update the policy on the engine's log-probs, 
 weights to the engine (in process, or over HTTP via a safetensors checkpoint), then log. Every
 step appends one JSON object to ``metrics.jsonl``; trained-on trajectories go to
 ``trajectories.jsonl`` with the advantages and trainer log-probs the update saw. Checkpoints hold
-model, optimiser, RNG states, step and data cursor, so ``resume`` continues exactly.
+model, optimiser, RNG states, step and data cursor, so ``resume`` continues exactly. The parts
+the trainer runs (policy, learner, engine or client, weight push...) are made before it, by
+:func:`agentrl.loop.assemble.assemble`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import random
@@ -21,32 +22,22 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
 from agentrl.config import TrainConfig
-from agentrl.data import tasks_for
-from agentrl.env import Env, import_envs, make
-from agentrl.errors import ConfigError
+from agentrl.env import Env, make
 from agentrl.inference.base import InferenceClient
-from agentrl.learner import Learner, samples_from_trajectories
+from agentrl.learner import samples_from_trajectories
 from agentrl.loop import ranks as dist_ranks
 from agentrl.loop import stop
+from agentrl.loop.assemble import RunParts, assemble
 from agentrl.loop.atomic import append_bytes, disk_errors, replace_file
 from agentrl.loop.cold_start import of_trainer as run_cold_start
 from agentrl.loop.export_run import export_final
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
-from agentrl.loop.placement import (
-    gil_switch_interval,
-    load_policy,
-    make_local_engine,
-    make_remote_client,
-    make_weight_push,
-    on_side_stream,
-    push_weights,
-)
+from agentrl.loop.placement import gil_switch_interval, on_side_stream, push_weights
 from agentrl.loop.resume import (
     cut_logs,
     finished_summary,
@@ -55,12 +46,10 @@ from agentrl.loop.resume import (
     start_over,
     write_checkpoint,
 )
-from agentrl.loop.run_dir import prepare
 from agentrl.loop.summary import summarise
-from agentrl.loop.teacher import make_teacher, token_batch
+from agentrl.loop.teacher import token_batch
 from agentrl.pass_at_k import eval_metrics
-from agentrl.rollout.chat import ChatTokenizer
-from agentrl.rollout.engine import RolloutEngine, rollout_metrics
+from agentrl.rollout.engine import rollout_metrics
 from agentrl.types import Group, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -71,12 +60,19 @@ EVAL_SEED_OFFSET = 1_000_003  # eval episodes never share seeds with training ep
 class Trainer:
     """Runs a :class:`TrainConfig` end to end and writes its run directory.
 
+    The run's parts (run directory, policy, learner, engine or client, weight push, rollout
+    engines, trackers) come from one :func:`~agentrl.loop.assemble.assemble`; the trainer holds
+    the run's state (step, data cursor, checkpoints) and its phases.
+
     Args:
         config: the resolved config.
         resume: continue from the newest good checkpoint in ``config.run_dir``.
         overwrite: replace what ``config.run_dir`` holds (else a run directory that holds a run
             is refused unless ``resume``: :mod:`agentrl.loop.run_dir`).
         on_step: called with each step's metrics (the CLI draws its progress bar with it).
+        parts: the run's parts, assembled already from ``config`` (``resume`` and ``overwrite``
+            then go to :func:`~agentrl.loop.assemble.assemble`, with any part handed in);
+            default: assembled here.
     """
 
     def __init__(
@@ -86,27 +82,24 @@ class Trainer:
         resume: bool = False,
         overwrite: bool = False,
         on_step: Callable[[dict[str, float]], None] | None = None,
+        parts: RunParts | None = None,
     ) -> None:
+        if parts is None:
+            parts = assemble(config, resume=resume, overwrite=overwrite)
+        elif parts.config is not config or resume or overwrite:
+            raise ValueError("parts: assemble them from this config, with resume and overwrite")
         self.config = config
         self.on_step = on_step
-        if resume and config.run_dir is None:
-            raise ConfigError("run_dir: resume needs the run directory to continue")
-        # everything that can be wrong with the config fails here, before a model or a file
-        import_envs(config.imports)
-        self.ranks = dist_ranks.active()  # several under torchrun (agentrl.loop.ranks)
-        self.train_tasks = tasks_for(config, "train")
-        self.eval_tasks = tasks_for(config, "test")
-        stamp = self.ranks.broadcast(time.strftime("%Y%m%d-%H%M%S"))  # one run dir for all
-        self.run_dir = Path(config.run_dir or Path(config.out_dir) / f"{config.name}-{stamp}")
-        refused = None  # rank 0 checks and makes the run directory, before any model is built
-        if self.ranks.is_main:
-            try:
-                prepare(self.run_dir, resume=resume, overwrite=overwrite)
-            except ConfigError as e:
-                refused = str(e)
-        if self.ranks.broadcast(refused):
-            raise ConfigError(refused or "run_dir")
-        self.resume = resume
+        self.resume = parts.resume
+        self.ranks, self.run_dir = parts.ranks, parts.run_dir
+        self.train_tasks, self.eval_tasks = parts.train_tasks, parts.eval_tasks
+        self.model, self.tokenizer, self.chat = parts.model, parts.tokenizer, parts.chat
+        self.learner = parts.learner
+        self.client: InferenceClient = parts.client
+        self.teacher = parts.teacher  # on-policy distillation, or None
+        self.weight_push = parts.weight_push  # None: disk or local; rank 0 pushes for every rank
+        self.rollout, self.evaluator = parts.rollout, parts.evaluator
+        self._loggers = parts.loggers  # train.loggers beside metrics.jsonl; rank 0 writes them
         self.notice: str | None = None  # what a resume did, for the user (the CLI prints it)
         self.step_start: tuple[int, Any] | None = None  # (cursor, RNG) as the step in flight began
         self.updating = False  # from a step's update to its after_step: the learner moved on
@@ -116,56 +109,11 @@ class Trainer:
         self.step = 0
         self.cursor = 0
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its task order)
-        random.seed(config.seed)
-        np.random.seed(config.seed)
-        torch.manual_seed(config.seed)
-        self.model, self.tokenizer = load_policy(config)
-        self.chat = ChatTokenizer(self.tokenizer, template_kwargs=config.model.chat_template_kwargs)
-        learner_config = config.learner  # temperature and seed follow the rollout's
-        if "body" not in learner_config.model_fields_set and learner_config.dtype != "bfloat16":
-            # the packed body's FlashAttention has no float32: a float32 learner on a card
-            learner_config = learner_config.model_copy(update={"body": "transformers"})
-        # several ranks: the engine copies the policy before the learner shards it
-        local = self.ranks.world_size > 1 and not config.inference.endpoints
-        self._engine_model = copy.deepcopy(self.model) if local else None
-        self.learner = Learner(self.model, learner_config)
-        self.client: InferenceClient = self._make_client()
-        self.teacher = make_teacher(config, self.tokenizer)  # on-policy distillation, or None
         self.last_push: dict[str, float] = {}
-        self.weight_push = (  # None: disk or local; rank 0 pushes for every rank
-            make_weight_push(config, self.learner.device) if self.ranks.is_main else None
-        )
-        self.rollout = RolloutEngine(self.client, self.tokenizer, config.rollout, chat=self.chat)
-        eval_cfg = config.rollout.model_copy(
-            update={
-                "group_size": config.train.eval_samples,
-                "temperature": config.train.eval_temperature,
-            }
-        )
-        self.evaluator = RolloutEngine(self.client, self.tokenizer, eval_cfg, chat=self.chat)
-        self._loggers: Any = None  # train.loggers beside metrics.jsonl; rank 0 writes them
-        if self.ranks.is_main:
-            from agentrl.loop.loggers import Loggers
-
-            trackers = [*config.train.loggers, *(["tensorboard"] if config.tensorboard else [])]
-            self._loggers = Loggers(
-                trackers,
-                self.run_dir,
-                name=self.run_dir.name,
-                config=config.model_dump(mode="json"),
-            )
 
     def make_env(self) -> Env:
         """A fresh env instance for one episode."""
         return make(self.config.env.id, **self.config.env.kwargs)
-
-    def _make_client(self) -> InferenceClient:
-        if self.config.inference.endpoints:
-            return make_remote_client(self.model, self.config)
-        if self._engine_model is not None:  # an unsharded copy of the policy, this rank's
-            engine_model, self._engine_model = self._engine_model, None
-            return make_local_engine(engine_model, self.tokenizer, self.config, copy_model=False)
-        return make_local_engine(self.model, self.tokenizer, self.config)  # on the learner's card
 
     async def sync_weights(self) -> float:
         """Push the learner's weights to the engine as version ``step``; returns seconds.
