@@ -100,7 +100,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from agentrl.inference.api_keys import read_key
-    from agentrl.inference.server import run_engine_server
+    from agentrl.inference.server.engine_server import run_engine_server
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

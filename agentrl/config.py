@@ -120,7 +120,7 @@ class InferenceConfig(_Section):
     @field_validator("endpoints", mode="before")
     @classmethod
     def _endpoint_urls(cls, value: Any) -> list[str]:
-        from agentrl.inference.endpoints import parse_endpoints
+        from agentrl.inference.client.endpoints import parse_endpoints
 
         return parse_endpoints(value)
 
@@ -333,7 +333,7 @@ class TeacherConfig(_Section):
     @field_validator("endpoint")
     @classmethod
     def _one_url(cls, url: str | None) -> str | None:
-        from agentrl.inference.endpoints import parse_endpoints
+        from agentrl.inference.client.endpoints import parse_endpoints
 
         urls = [] if url is None else parse_endpoints(url)
         if len(urls) > 1:

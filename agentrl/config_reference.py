@@ -68,13 +68,26 @@ def _is_section(field: FieldInfo) -> bool:
     return isinstance(ann, type) and issubclass(ann, BaseModel)
 
 
+def _optional_section(field: FieldInfo) -> type[BaseModel] | None:
+    """The model of a ``Model | None`` field (a sub-section that is off when absent)."""
+    args = typing.get_args(field.annotation)
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 and type(None) in args else None
+
+
 def _sections() -> list[tuple[str, type[BaseModel], str, str]]:
-    """(prefix, model, title, note) of the top level, each section, and each shaper."""
+    """(prefix, model, title, note) of the top level, sections, sub-sections, shapers.
+
+    A sub-section is a section's optional model field (``learner.lora``).
+    """
     out: list[tuple[str, type[BaseModel], str, str]] = [("", TrainConfig, "Top level", "")]
     for name, field in TrainConfig.model_fields.items():
         if _is_section(field):
             model = typing.cast(type[BaseModel], field.annotation)
             out.append((name, model, f"[{name}]", _doc(field)))
+            for sub, sub_field in model.model_fields.items():
+                if (inner := _optional_section(sub_field)) is not None:
+                    out.append((f"{name}.{sub}", inner, f"[{name}.{sub}]", _doc(sub_field)))
     for tag, shaper in SHAPERS.items():
         out.append((f"advantages.shapers[name={tag}]", shaper, f'shaper "{tag}"', ""))
     return out

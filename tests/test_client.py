@@ -12,7 +12,7 @@ from aiohttp import web
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import InferenceClient, SamplingParams
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.inference.sglang_api import parse_weight_version
 
 TOL = 1e-4

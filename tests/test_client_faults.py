@@ -11,7 +11,7 @@ import pytest
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import SamplingParams
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
-from agentrl.inference.paged_runner import PagedRunner
+from agentrl.inference.engine.paged_runner import PagedRunner
 from agentrl.kernels.packed_body import PackedBody
 from agentrl.kernels.paged_attention import QueryBlocks, tile_rows
 from agentrl.learner.logprobs import LogprobModel

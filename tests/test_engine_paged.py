@@ -21,8 +21,8 @@ import torch
 
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
-from agentrl.inference.kv_cache import PagedKVCache, page_bytes
-from agentrl.inference.sampling import row_key, row_keys, sample, sample_reference
+from agentrl.inference.engine.kv_cache import PagedKVCache, page_bytes
+from agentrl.inference.engine.sampling import row_key, row_keys, sample, sample_reference
 
 TOL = 1e-4
 LEARNER_TOL = 3e-2

@@ -21,8 +21,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.engine import LocalEngine
-from agentrl.inference.engine_path import choose_path
-from agentrl.inference.paged_moe import RoutingSlots, route, slots_of
+from agentrl.inference.engine.paged_moe import RoutingSlots, route, slots_of
+from agentrl.inference.engine.path_choice import choose_path
 from agentrl.kernels.packed_body import PackedBody, unsupported_reason
 from agentrl.routing import RoutingCapture
 from agentrl.tiny import build_tiny, build_tiny_moe

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentrl.cli import main
 from agentrl.config import load_config
 from agentrl.errors import ConfigError
-from agentrl.inference.model_io import load_model
+from agentrl.inference.engine.model_io import load_model
 from agentrl.learner import Learner
 from agentrl.loop.checkpoints import name_of
 from agentrl.loop.placement import load_policy

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agentrl.env import Env, StepResult, SyncEnv, register
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.inference.engine import LocalEngine
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, rollout_metrics
 from agentrl.tiny import build_tiny_tokenizer

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from agentrl.env import Env, StepResult
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.inference.engine import LocalEngine
-from agentrl.inference.server import serve
+from agentrl.inference.server.engine_server import serve
 from agentrl.inference.sglang_api import parse_weight_version
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.tiny import build_tiny

@@ -1,4 +1,4 @@
-"""The paged engine's prefill graphs (agentrl.inference.prefill_graphs).
+"""The paged engine's prefill graphs (agentrl.inference.engine.prefill_graphs).
 
 CPU: the bucketed, padded inputs a graph replays compute what the eager prefill computes (the
 same logits, the same keys and values, nothing written outside the sequences' pages but the
@@ -14,8 +14,13 @@ from typing import Any
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from agentrl.inference.paged_runner import PagedRunner
-from agentrl.inference.prefill_graphs import MAX_GRAPHS, PrefillGraphs, pack_prefill, token_buckets
+from agentrl.inference.engine.paged_runner import PagedRunner
+from agentrl.inference.engine.prefill_graphs import (
+    MAX_GRAPHS,
+    PrefillGraphs,
+    pack_prefill,
+    token_buckets,
+)
 
 
 def test_token_buckets_grow_by_half_steps_up_to_the_first_that_holds_the_most() -> None:

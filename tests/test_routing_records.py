@@ -23,9 +23,9 @@ import torch
 from agentrl.env import Env, StepResult
 from agentrl.errors import ConfigError, ServerError
 from agentrl.inference.base import SamplingParams
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.inference.engine import LocalEngine
-from agentrl.inference.server import serve
+from agentrl.inference.server.engine_server import serve
 from agentrl.rollout.engine import JsonlSink, RolloutConfig, RolloutEngine
 from agentrl.routing import RoutingCapture
 from agentrl.tiny import build_tiny, build_tiny_moe

@@ -184,7 +184,7 @@ async def test_responses_and_errors_conform_to_sglang_contract(sglang_api_types,
 
 def test_json_bodies_are_encoded_fast_and_fall_back_for_lone_surrogates() -> None:
     from agentrl.fast_json import loads
-    from agentrl.inference.server import _json
+    from agentrl.inference.server.engine_server import _json
 
     assert _json({"t": "é✓", "lp": [-0.5, None]}).body == '{"t":"é✓","lp":[-0.5,null]}'.encode()
     odd = {"text": "a\ud800b", "ids": [1, 2]}  # a lone surrogate: pydantic-core refuses it

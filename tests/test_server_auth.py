@@ -26,7 +26,7 @@ from conftest import ServerProcess, start_tiny_server
 
 from agentrl.errors import ConfigError, ServerError
 from agentrl.inference.base import SamplingParams
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.inference.weight_group import open_group
 from agentrl.inference.weight_ipc import dump_named_tensors
 from agentrl.tiny import build_tiny_model, build_tiny_tokenizer
@@ -349,7 +349,7 @@ async def test_client_sends_its_keys_and_updates_weights(keyed, weights, tiny, t
 
 async def test_weight_pushes_send_the_admin_key(keyed) -> None:
     """The trainer's tensor push presents the admin key; without it the server refuses the push."""
-    from agentrl.inference.weight_push import TensorWeightPush
+    from agentrl.inference.client.weight_push import TensorWeightPush
 
     model = build_tiny_model(build_tiny_tokenizer(), seed=5)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
@@ -392,7 +392,7 @@ def test_serve_refuses_an_unreadable_key_in_one_line(capsys) -> None:
 
 
 def test_serving_beyond_loopback_without_a_key_warns(caplog) -> None:
-    from agentrl.inference.server_guard import allowed_hosts, warn_if_open
+    from agentrl.inference.server.guard import allowed_hosts, warn_if_open
 
     with caplog.at_level("WARNING"):
         warn_if_open("127.0.0.1", None, None)

@@ -16,7 +16,7 @@ import torch
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import SamplingParams
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.inference.weight_ipc import dump_named_tensors, load_named_tensors
 from agentrl.tiny import build_tiny_model
 

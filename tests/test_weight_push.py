@@ -12,9 +12,9 @@ import torch
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import SamplingParams
-from agentrl.inference.client import SGLangClient
+from agentrl.inference.client.sglang_client import SGLangClient
+from agentrl.inference.client.weight_push import DistributedWeightPush
 from agentrl.inference.weight_group import buckets, dtype_name, parse_dtype
-from agentrl.inference.weight_push import DistributedWeightPush
 from agentrl.tiny import build_tiny_model
 
 TOL = 1e-5  # float32 on CPU: the served log-probs equal a teacher-forced pass of the pushed model

@@ -22,9 +22,10 @@ same math on one packed row of sequences (``position_ids`` restarting at 0 per s
   layer's activation memory for a few percent of time).
 
 The parameters are the model's own (nothing is copied), so the optimizer, checkpoints and weight
-export see one set of weights whichever body runs. The numerics follow transformers' modules
-op for op (float32 norms, the dtype promotions under autocast), so a float32 run equals the
-transformers forward to rounding (tested on a CPU for Qwen3, Qwen2 and Llama configs).
+export see one set of weights whichever body runs (LoRA adapters on the modules add their term
+beside the fused matmuls: :mod:`agentrl.kernels.low_rank`). The numerics follow transformers'
+modules op for op (float32 norms, the dtype promotions under autocast), so a float32 run equals
+the transformers forward to rounding (tested on a CPU for Qwen3, Qwen2 and Llama configs).
 
 Supported: ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM`` with SiLU MLPs, no
 MLP bias, no sliding window and no attention dropout, and ``Qwen3MoeForCausalLM`` (its sparse
@@ -50,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from agentrl.kernels import invariant
 from agentrl.kernels.fused_layer import _rms_norm, _rotate_half, exact_layer
+from agentrl.kernels.low_rank import LayerLora, Lora, layer_adapters, plus_each, plus_low_rank
 from agentrl.kernels.moe import is_sparse, moe_mlp, moe_unsupported_reason, selective_moe_mlp
 from agentrl.kernels.recompute import recompute_selectively, selective_context
 from agentrl.kernels.transfer import to_device
@@ -100,8 +102,10 @@ def _pre_attention(
     k_norm: torch.Tensor | None,
     eps: float,
     head_dim: int,
+    *,
+    lora: tuple[Lora | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input norm, q/k/v projections, optional q/k norms, rotary: ``(N, heads, head_dim)`` each."""
+    """Input norm, q/k/v projections (+ ``lora``), q/k norms, rotary: ``(N, heads, head_dim)``."""
     h = _rms_norm(x, ln, eps)
     n = h.shape[0]
     # one matmul for q, k and v (wider is faster; compiled, the concatenation fuses with the cast)
@@ -111,6 +115,7 @@ def _pre_attention(
         bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for b, w in biases])
     qkv = F.linear(h, torch.cat([wq, wk, wv]), bias)
     q, k, v = qkv.split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+    q, k, v = plus_each((q, k, v), h, lora)
     q, k, v = (t.reshape(n, -1, head_dim) for t in (q, k, v))
     if q_norm is not None and k_norm is not None:
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
@@ -130,12 +135,17 @@ def _post_attention(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     eps: float,
+    *,
+    lora: tuple[Lora | None, ...] | None = None,
 ) -> torch.Tensor:
-    """Output projection, residual, post-attention norm, SwiGLU MLP, residual."""
-    x = x + F.linear(attn.flatten(1), wo, bo)
+    """Output projection, residual, post-attention norm, SwiGLU MLP, residual (+ ``lora``)."""
+    lo = lora or (None, None, None, None)  # without adapters: the same ops as ever
+    a = attn.flatten(1)
+    x = x + plus_low_rank(F.linear(a, wo, bo), a, lo[0])
     h = _rms_norm(x, ln, eps)
     gate, up = F.linear(h, torch.cat([w_gate, w_up])).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
+    m = F.silu(plus_low_rank(gate, h, lo[1])) * plus_low_rank(up, h, lo[2])
+    return x + plus_low_rank(F.linear(m, w_down), m, lo[3])
 
 
 def attention_out(
@@ -145,9 +155,12 @@ def attention_out(
     bo: torch.Tensor | None,
     ln: torch.Tensor,
     eps: float,
+    *,
+    lora: tuple[Lora | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output projection and residual, then the post-attention norm: ``(x, h)`` (MoE layers)."""
-    x = x + F.linear(attn.flatten(1), wo, bo)
+    """Output projection (+ ``lora``), residual, post-attention norm: ``(x, h)`` (MoE layers)."""
+    a = attn.flatten(1)
+    x = x + plus_low_rank(F.linear(a, wo, bo), a, None if lora is None else lora[0])
     return x, _rms_norm(x, ln, eps)
 
 
@@ -160,12 +173,13 @@ def _varlen_layer(
     options: dict[str, Any],
     pre: tuple[Any, ...],
     post: tuple[Any, ...],
+    lora: LayerLora | None = None,
 ) -> torch.Tensor:
     """A whole decoder layer with varlen attention: one graph for ``torch.compile``."""
-    q, k, v = _pre_attention(x, cos, sin, *pre)
+    q, k, v = _pre_attention(x, cos, sin, *pre, lora=lora and lora[0])
     head_dim = pre[-1]
     attn = varlen_attention(q, k, v, cu, max_len, head_dim**-0.5, options)
-    return _post_attention(x, attn, *post)
+    return _post_attention(x, attn, *post, lora=lora and lora[1])
 
 
 def _varlen_half(
@@ -177,11 +191,12 @@ def _varlen_half(
     options: dict[str, Any],
     pre: tuple[Any, ...],
     post: tuple[Any, ...],
+    lora: LayerLora | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An MoE layer up to its router: attention, residual, post-attention norm; ``(x, h)``."""
-    q, k, v = _pre_attention(x, cos, sin, *pre)
+    q, k, v = _pre_attention(x, cos, sin, *pre, lora=lora and lora[0])
     attn = varlen_attention(q, k, v, cu, max_len, pre[-1] ** -0.5, options)
-    return attention_out(x, attn, *post)
+    return attention_out(x, attn, *post, lora=lora and lora[1])
 
 
 def _selective_varlen_layer(*args: Any) -> torch.Tensor:
@@ -373,7 +388,9 @@ class PackedBody:
         lengths: list[int],
     ) -> torch.Tensor:
         pre, post = self._weights(i)
+        lora = layer_adapters(self.base.layers[i], self._sparse[i], self.model.training)
         if self.exact:
+            assert lora is None, "batch_invariant: no LoRA adapters"  # LearnerConfig checks
             return exact_layer(x, cos, sin, cu, lengths, pre, post)
         if self.attention in ("varlen", "triton") or (self.attention == "auto" and x.is_cuda):
             if self._varlen is None and self.attention == "triton":
@@ -386,11 +403,11 @@ class PackedBody:
             # values keep the compiled layer from recompiling for every batch
             max_len = max(1024, 1 << (max(lengths) - 1).bit_length())
             if self._sparse[i]:
-                args = (x, cos, sin, cu, max_len, self._varlen, pre, post)
+                args = (x, cos, sin, cu, max_len, self._varlen, pre, post, lora)
                 return self._moe_layer(i, self._half, args)
-            return self._varlen_layer(x, cos, sin, cu, max_len, self._varlen, pre, post)
+            return self._varlen_layer(x, cos, sin, cu, max_len, self._varlen, pre, post, lora)
         if self._sparse[i]:
-            return self._moe_layer(i, self._sdpa_half, (x, cos, sin, lengths, pre, post))
+            return self._moe_layer(i, self._sdpa_half, (x, cos, sin, lengths, pre, post, lora))
         if self.selective and torch.is_grad_enabled():
             return checkpoint(
                 self._sdpa_layer,
@@ -400,10 +417,11 @@ class PackedBody:
                 lengths,
                 pre,
                 post,
+                lora,
                 use_reentrant=False,
                 context_fn=selective_context,
             )
-        return self._sdpa_layer(x, cos, sin, lengths, pre, post)
+        return self._sdpa_layer(x, cos, sin, lengths, pre, post, lora)
 
     def _sdpa_layer(
         self,
@@ -413,9 +431,10 @@ class PackedBody:
         lengths: list[int],
         pre: tuple[Any, ...],
         post: tuple[Any, ...],
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
-        q, k, v = self._pre(x, cos, sin, *pre)
-        return self._post(x, self._sdpa_attention(q, k, v, lengths), *post)
+        q, k, v = self._pre(x, cos, sin, *pre, lora=lora and lora[0])
+        return self._post(x, self._sdpa_attention(q, k, v, lengths), *post, lora=lora and lora[1])
 
     def _sdpa_half(
         self,
@@ -425,9 +444,10 @@ class PackedBody:
         lengths: list[int],
         pre: tuple[Any, ...],
         post: tuple[Any, ...],
+        lora: LayerLora | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = self._pre(x, cos, sin, *pre)
-        return self._out(x, self._sdpa_attention(q, k, v, lengths), *post)
+        q, k, v = self._pre(x, cos, sin, *pre, lora=lora and lora[0])
+        return self._out(x, self._sdpa_attention(q, k, v, lengths), *post, lora=lora and lora[1])
 
     def _moe_layer(self, i: int, half: Callable[..., Any], args: tuple[Any, ...]) -> torch.Tensor:
         """Layer ``i`` (sparse): ``half`` (attention + norm), the router module, the experts.

@@ -13,6 +13,8 @@ Two formats, two purposes:
   An optimizer that has not stepped yet is saved as "no state" rather than letting
   ``get_state_dict`` initialise it (that would run a zero-learning-rate step and advance AdamW's
   step count, making a run that saved differ from one that did not).
+  With ``adapter_only`` (LoRA) the frozen parameters are left out: the model part holds just
+  the adapters (the base is rebuilt from the run's model on resume).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from transformers import PreTrainedModel
 
 
@@ -104,27 +110,62 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _options(adapter_only: bool) -> StateDictOptions:
+    # frozen parameters left out; loading then checks the keys itself (strict would want them)
+    return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
+
+
+def _trainable(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without frozen entries torch keeps (a tied head: its name is the second)."""
+    names = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
+
+
+def training_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, *, adapter_only: bool = False
+) -> dict[str, Any]:
     """A detached copy of model and optimizer state (sharded under FSDP) and the RNG.
 
     ``optimizer`` is ``None`` in the result when the optimizer has not stepped yet.
+    ``adapter_only``: the trainable parameters alone (LoRA).
     """
     has_optim = bool(optimizer.state)
-    model_sd, optim_sd = get_state_dict(module, optimizer if has_optim else [])
+    opts = _options(adapter_only)
+    model_sd, optim_sd = get_state_dict(module, optimizer if has_optim else [], options=opts)
+    if adapter_only:
+        model_sd = _trainable(module, model_sd)
     snap = {"model": model_sd, "optimizer": optim_sd if has_optim else None, "rng": rng_state()}
     return _clone(snap)
 
 
 def load_training_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    *,
+    adapter_only: bool = False,
 ) -> None:
-    """Load a :func:`training_state` into ``module`` and a *fresh* ``optimizer``."""
+    """Load a :func:`training_state` into ``module`` and a *fresh* ``optimizer``.
+
+    Raises:
+        ValueError: ``adapter_only`` and the state's model keys are not the trainable ones.
+    """
     optim = state["optimizer"]
+    opts = _options(adapter_only)
+    if adapter_only:
+        want = set(_trainable(module, get_state_dict(module, [], options=opts)[0]))
+        if set(state["model"]) != want:
+            extra, missing = sorted(set(state["model"]) - want), sorted(want - set(state["model"]))
+            raise ValueError(
+                f"checkpoint: not this model's adapters (missing {missing[:2]}, "
+                f"unexpected {extra[:2]})"
+            )
     set_state_dict(
         module,
         optimizer if optim is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=optim or {},
+        options=opts,
     )
     set_rng_state(state["rng"])
 
@@ -137,11 +178,12 @@ def save_training_state(
     rank: int,
     world_size: int,
     meta: dict[str, Any],
+    adapter_only: bool = False,
 ) -> None:
     """Write :func:`training_state` and a JSON ``meta`` under ``path`` (every rank calls)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    state = training_state(module, optimizer)
+    state = training_state(module, optimizer, adapter_only=adapter_only)
     tensors = {"model": state["model"], "optimizer": state["optimizer"] or {}}
     with warnings.catch_warnings():  # one process is the intended case, not a misconfiguration
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -161,12 +203,16 @@ def load_training_state_from(
     *,
     rank: int,
     world_size: int,
+    adapter_only: bool = False,
 ) -> dict[str, Any]:
     """Restore what :func:`save_training_state` wrote into a fresh ``optimizer``; returns meta."""
     root = Path(path)
     meta = json.loads((root / "meta.json").read_text())
     optim: Any = optimizer if meta["has_optimizer"] else []
-    model_sd, optim_sd = get_state_dict(module, optim)  # templates dcp.load fills in place
+    opts = _options(adapter_only)  # templates dcp.load fills in place
+    model_sd, optim_sd = get_state_dict(module, optim, options=opts)
+    if adapter_only:
+        model_sd = _trainable(module, model_sd)
     tensors = {"model": model_sd, "optimizer": optim_sd if meta["has_optimizer"] else {}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -177,7 +223,7 @@ def load_training_state_from(
         "optimizer": tensors["optimizer"] if meta["has_optimizer"] else None,
         "rng": rng,
     }
-    load_training_state(module, optimizer, state)
+    load_training_state(module, optimizer, state, adapter_only=adapter_only)
     return meta
 
 

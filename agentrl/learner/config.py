@@ -6,7 +6,31 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LearnerConfig"]
+__all__ = ["LearnerConfig", "LoraConfig"]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters on the policy (:mod:`agentrl.learner.lora`).
+
+    The base weights are frozen; only the adapters train, get optimizer state and go into
+    checkpoints.
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    rank: int = Field(16, ge=1, le=4096)
+    """The adapters' rank ``r`` (peft's ``r``)."""
+    alpha: float = Field(32.0, gt=0)
+    """The low-rank term is scaled by ``alpha / rank`` (peft's ``lora_alpha``)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (peft's ``lora_dropout``)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Linear layers that get an adapter, by name as peft matches a list: a module whose name
+    is one of these or ends with ``.`` + one of these (``q_proj``, ``self_attn.o_proj``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The adapters' parameter (and AdamW state) dtype; the frozen base stays float32."""
 
 
 class LearnerConfig(BaseModel):
@@ -148,6 +172,9 @@ class LearnerConfig(BaseModel):
     / 81% (``benchmarks/scaling_gpu.py``)."""
     seed: int = 0
     """Seeds torch's global RNG when the learner is built (dropout, if the model has any)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of the full weights (``[learner.lora]``); ``None``: full
+    fine-tuning."""
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:
@@ -166,6 +193,8 @@ class LearnerConfig(BaseModel):
                 "batch_invariant: needs dtype='bfloat16' and the packed body, got "
                 f"dtype={self.dtype!r}, body={self.body!r}"
             )
+        if self.lora is not None and self.batch_invariant:
+            raise ValueError("lora: the exact mode (batch_invariant) runs no adapters; drop one")
         if self.tis is not None and self.rollout_correction != "none":
             raise ValueError(
                 f"tis, rollout_correction: expected one of them, got tis={self.tis!r} and "

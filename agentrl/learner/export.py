@@ -10,10 +10,16 @@ saved checkpoint (the FSDP shards of any number of ranks) under Hugging Face nam
 :func:`write_pretrained` writes it as a model directory through transformers' own
 ``save_pretrained`` (shards, tied weights, MoE experts in the checkpoint layout SGLang reads):
 what ``agentrl export`` does (:mod:`agentrl.loop.export_run`).
+
+With LoRA (``learner.lora``) the inference weights are the merged ones (``W + scaling * B @ A``,
+under the base's names), :meth:`LearnerWeights.adapter_state` and
+:meth:`LearnerWeights.save_adapter` give the adapter alone in peft's layout, and checkpoints hold
+the adapters and their optimizer state only (``meta.json`` records the adapter config).
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -25,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import PreTrainedModel
 
+from agentrl.learner import lora as lora_mod
 from agentrl.learner.checkpoint import (
     full_state_dict,
     load_training_state,
@@ -33,6 +40,7 @@ from agentrl.learner.checkpoint import (
     save_training_state,
     training_state,
 )
+from agentrl.learner.config import LoraConfig
 from agentrl.learner.logprobs import LogprobModel
 
 
@@ -52,6 +60,7 @@ class LearnerWeights(ABC):
     world_size: int
     architecture: str
     export_dtype: torch.dtype
+    lora: LoraConfig | None = None
     _live: tuple[tuple[int, ...], dict[str, torch.Tensor]] | None = None
 
     @abstractmethod
@@ -61,9 +70,25 @@ class LearnerWeights(ABC):
     def state_dict_for_inference(self) -> dict[str, torch.Tensor]:
         """Full weights under the model's Hugging Face names, in the dtype it came in.
 
-        Under FSDP every rank must call this (the shards are gathered).
+        Under FSDP every rank must call this (the shards are gathered). With LoRA: the
+        adapters merged into the base weights.
         """
+        if self.lora is not None:
+            return lora_mod.merged_state(self.model, self.export_dtype)
         return full_state_dict(self.model, self.export_dtype)
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters alone under peft's names, in their own dtype (every rank calls)."""
+        if self.lora is None:
+            raise RuntimeError("adapter_state: the learner trains no adapters (learner.lora)")
+        return lora_mod.adapter_state(self.model)
+
+    def save_adapter(self, path: str | Path, base_model: str = "") -> Path:
+        """Write the adapters as a peft adapter directory (every rank calls; rank 0 writes)."""
+        adapter = self.adapter_state()
+        if self.rank != 0 or self.lora is None:
+            return Path(path)
+        return lora_mod.save_peft_adapter(adapter, path, self.lora, base_model=base_model)
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """The weights themselves under their Hugging Face names, in the learner's own dtype.
@@ -73,10 +98,13 @@ class LearnerWeights(ABC):
         weight to a new tensor, ~620 torch calls that each give up the GIL, which made the
         in-process push of the 0.6B shape take 14-35 ms on an H100, the card idle. While no
         parameter's storage changes, the tensors come back without walking the model again
-        (read them before the next update changes them). Unsharded learners only.
+        (read them before the next update changes them). Unsharded learners only. With LoRA:
+        the merged weights, new tensors at every call.
         """
         if self.world_size > 1:
             raise RuntimeError("live_weights: a sharded learner has no full weights to lend")
+        if self.lora is not None:
+            return lora_mod.merged_state(self.model, torch.float32)
         live = tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
         if self._live is None or self._live[0] != live:
             self._live = (live, self.model.state_dict())
@@ -109,12 +137,14 @@ class LearnerWeights(ABC):
 
     def state(self) -> dict[str, Any]:
         """A snapshot of model, optimizer, RNG and step count (this rank's shards under FSDP)."""
-        return {**training_state(self.module, self.optimizer), "num_steps": self.num_steps}
+        adapter = self.lora is not None
+        snap = training_state(self.module, self.optimizer, adapter_only=adapter)
+        return {**snap, "num_steps": self.num_steps}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state` snapshot taken on the same model and number of ranks."""
         self.reset_optimizer()
-        load_training_state(self.module, self.optimizer, state)
+        load_training_state(self.module, self.optimizer, state, adapter_only=self.lora is not None)
         self.num_steps = int(state["num_steps"])
 
     def save_checkpoint(self, path: str | Path) -> None:
@@ -125,20 +155,43 @@ class LearnerWeights(ABC):
             Path(path) / "learner",
             rank=self.rank,
             world_size=self.world_size,
-            meta={"num_steps": self.num_steps},
+            meta={"num_steps": self.num_steps, "lora": self._lora_meta()},
+            adapter_only=self.lora is not None,
         )
 
+    def _lora_meta(self) -> dict[str, Any] | None:
+        return None if self.lora is None else self.lora.model_dump(mode="json")
+
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same model and number of ranks)."""
+        """Restore what :meth:`save_checkpoint` wrote (same model, adapters, rank count).
+
+        Raises:
+            ValueError: the checkpoint's adapter config (``learner.lora``) is not this one's.
+        """
+        root = Path(path) / "learner"
+        saved = read_lora_meta(root)
+        if saved != self._lora_meta():
+            raise ValueError(
+                f"checkpoint {path}: trained with learner.lora={saved}, this learner has "
+                f"{self._lora_meta()}"
+            )
         self.reset_optimizer()
         meta = load_training_state_from(
             self.module,
             self.optimizer,
-            Path(path) / "learner",
+            root,
             rank=self.rank,
             world_size=self.world_size,
+            adapter_only=self.lora is not None,
         )
         self.num_steps = int(meta["num_steps"])
+
+
+def read_lora_meta(learner_dir: str | Path) -> dict[str, Any] | None:
+    """The adapter config a training state was saved with (``None``: full fine-tuning)."""
+    meta = json.loads((Path(learner_dir) / "meta.json").read_text())
+    value = meta.get("lora")
+    return value if isinstance(value, dict) else None
 
 
 # What training state files hold the model under: the top-level ``model`` entry of

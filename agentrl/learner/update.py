@@ -39,6 +39,10 @@ sharded with FSDP2 (``fully_shard`` on every decoder layer and on the log-prob m
 is given the same whole batch; each mini-batch's sequences are spread over the ranks balanced by
 tokens, ranks run the same number of micro-batches (empty ones where they have fewer), and the
 averaged gradient equals the single-process one. A reference model is kept whole on every rank.
+
+LoRA (``learner.lora``): adapters on the target linear layers (:mod:`agentrl.learner.lora`), on
+either body and under FSDP2; every base parameter is frozen, so only the adapters get gradients,
+AdamW state and a place in checkpoints; exported and pushed weights are the merged ones.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from agentrl.learner.distributed import (
 )
 from agentrl.learner.export import LearnerWeights
 from agentrl.learner.logprobs import LogprobModel
+from agentrl.learner.lora import inject_adapters
 from agentrl.learner.losses import get_loss, kl_to_reference
 from agentrl.learner.mismatch import (
     apply_correction,
@@ -154,6 +159,12 @@ class Learner(LearnerWeights):
         self._routing: StepRouting | None = None  # the current step's, on an MoE model
         self._attn = str(model.config._attn_implementation)
         nn.Module.to(model, torch.float32)  # float32 master weights
+        self.lora = config.lora
+        if config.lora is not None:  # before sharding: adapters shard with their blocks
+            try:
+                inject_adapters(model, config.lora, seed=config.seed)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.body = choose_body(config, model, self.device)
         if self.body == "packed":
             self._attn = "packed"  # no mask: the packed body reads the sequence lengths
@@ -276,6 +287,8 @@ class Learner(LearnerWeights):
         tokens = float(sum(len(s.tokens) for s in samples))
         out["perf/train_s"], out["perf/tokens"] = train_s, tokens
         out["perf/tokens_per_s"], out["perf/minibatches"] = tokens / train_s, len(minibatches)
+        if self.device.type == "cuda":  # the process's peak on the card: engine and learner
+            out["perf/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     def _plan(

@@ -12,6 +12,12 @@ The output appears whole or not at all: it is written into a temporary directory
 ``--out`` and renamed into place. A non-empty ``--out`` is refused unless ``--overwrite``, which
 replaces only a model directory (one with ``config.json``). ``agentrl train`` calls
 :func:`export_run` at the end of a run when ``train.export`` is on (``RUN_DIR/export``).
+
+A run with ``learner.lora`` checkpoints only its adapters: the export rebuilds the base (the
+run's ``model.path``, or the tiny preset from the run's ``seed``), writes the merged model
+(``W + alpha/rank * B @ A``) and the adapter alone in peft's layout under ``OUT/adapter``
+(``adapter_config.json``, ``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained``
+and SGLang's ``--lora-paths`` read it).
 """
 
 from __future__ import annotations
@@ -86,6 +92,11 @@ def run_model_config(run_dir: Path) -> ModelConfig:
     Raises:
         ConfigError: ``run_dir`` is not a run directory, or its config is unreadable.
     """
+    return _run_config(run_dir)[0]
+
+
+def _run_config(run_dir: Path) -> tuple[ModelConfig, int]:
+    """The ``model`` section and the ``seed`` of the run's ``config.yaml``."""
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         raise ConfigError(f"RUN_DIR: no such directory {run_dir}")
@@ -94,9 +105,9 @@ def run_model_config(run_dir: Path) -> ModelConfig:
     if path.stat().st_size > _MAX_CONFIG_BYTES:
         raise ConfigError(f"RUN_DIR: {path} is over {_MAX_CONFIG_BYTES} bytes")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        return ModelConfig.model_validate((raw or {}).get("model") or {})
-    except (OSError, ValueError, AttributeError, yaml.YAMLError) as e:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return ModelConfig.model_validate(raw.get("model") or {}), int(raw.get("seed") or 0)
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"RUN_DIR: cannot read the model of {path}: {first}") from None
 
@@ -125,6 +136,37 @@ def model_skeleton(model: ModelConfig) -> tuple[Any, Any]:
     return skeleton, tokenizer
 
 
+def base_weights(model: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The run's initial (base) weights, as :func:`load_policy` built them, on the CPU."""
+    from agentrl.tiny import PRESETS, build_preset
+
+    if model.path in PRESETS:
+        return build_preset(model.path, seed=seed, **model.tiny)[0].state_dict()
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model.path).state_dict()
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"model.path of the run: cannot load {model.path!r}: {first}") from None
+
+
+def merge_lora(
+    weights: dict[str, torch.Tensor], lora: dict[str, Any], model: ModelConfig, seed: int
+) -> dict[str, torch.Tensor]:
+    """The merged full weights of a LoRA checkpoint's adapters (``weights``) on the run's base.
+
+    Raises:
+        ValueError: the checkpoint holds more than adapters, or they do not fit the base.
+    """
+    from agentrl.learner.lora import merge_adapter_into
+
+    if not all(".lora_A." in k or ".lora_B." in k for k in weights):
+        raise ValueError("a LoRA checkpoint holds weights other than adapters")
+    scaling = float(lora["alpha"]) / int(lora["rank"])
+    return merge_adapter_into(base_weights(model, seed), weights, scaling)
+
+
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse an ``out`` that is not a directory, or not empty without ``overwrite``."""
     if out.exists() and not out.is_dir():
@@ -142,9 +184,13 @@ def _publish(tmp: Path, out: Path) -> None:
     """Rename the finished ``tmp`` to ``out``; an old ``out`` goes aside first, then is removed."""
     mask = os.umask(0)
     os.umask(mask)
-    for p in tmp.iterdir():  # safetensors writes 0600; an export is read by other servers
-        p.chmod(0o666 & ~mask)
-        fsync_file(p)
+    for p in sorted(tmp.rglob("*"), reverse=True):  # safetensors writes 0600; others read it
+        if p.is_dir():
+            p.chmod(0o777 & ~mask)
+            fsync_dir(p)
+        else:
+            p.chmod(0o666 & ~mask)
+            fsync_file(p)
     fsync_dir(tmp)
     aside = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.is_dir():
@@ -173,7 +219,9 @@ def export_run(
         TrainingError: the checkpoint is corrupt or does not hold the run's model.
         DiskFull: no space left (nothing is left at ``out``).
     """
-    from agentrl.learner.export import checkpoint_weights, write_pretrained
+    from agentrl.learner.config import LoraConfig
+    from agentrl.learner.export import checkpoint_weights, read_lora_meta, write_pretrained
+    from agentrl.learner.lora import save_peft_adapter
 
     run, out = Path(run_dir).expanduser(), Path(out).expanduser()
     if (n := step_of(run.name)) is not None and run.parent.name == "checkpoints":
@@ -186,16 +234,24 @@ def export_run(
         raise ConfigError(
             f"--max-shard-size: expected a size like 5GB or 500MB, got {max_shard_size!r}"
         )
-    model_config = run_model_config(run)
+    model_config, seed = _run_config(run)
     check_out(out, overwrite)  # before any work
     path, step, skipped = find_checkpoint(run, step)
     dtype = dtype or model_config.dtype
     skeleton, tokenizer = model_skeleton(model_config)
     try:
         weights = checkpoint_weights(path / "learner")
+        lora = read_lora_meta(path / "learner")
     except Exception as e:  # any read error: the checkpoint is not usable
         first = (f"{type(e).__name__}: {e}".strip().splitlines() or [""])[0][:200]
         raise TrainingError(f"checkpoint {path} cannot be read ({first})") from None
+    adapter: dict[str, torch.Tensor] = {}
+    if lora is not None:
+        adapter = weights
+        try:
+            weights = merge_lora(adapter, lora, model_config, seed)
+        except ValueError as e:
+            raise TrainingError(f"checkpoint {path}: {e}") from None
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         with disk_errors(out):
@@ -214,6 +270,14 @@ def export_run(
                 )
             except ValueError as e:
                 raise TrainingError(f"checkpoint {path}: {e}") from None
+            if lora is not None:
+                save_peft_adapter(
+                    adapter,
+                    tmp / "adapter",
+                    LoraConfig.model_validate(lora),
+                    base_model=model_config.path,
+                    dtype=DTYPES[dtype],
+                )
             _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +305,8 @@ def add_export(subparsers: Any) -> None:
         description="Write a checkpoint of RUN_DIR (FSDP shards consolidated) as a Hugging Face "
         "model directory: config, safetensors, tokenizer, chat template, generation config. It "
         "loads with transformers' from_pretrained, serves with `agentrl serve --model DIR` and "
-        "is SGLang's --model-path. RUN_DIR may also be RUN_DIR/checkpoints/step-NNNNNN.",
+        "is SGLang's --model-path. RUN_DIR may also be RUN_DIR/checkpoints/step-NNNNNN. A LoRA "
+        "run's export is the merged model plus its adapter in peft's layout under OUT/adapter.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or one of its checkpoints)")
     p.add_argument("--out", required=True, help="the model directory to write (made whole)")

@@ -391,7 +391,7 @@ async def endpoint_client(cfg: Any, tokenizer_name: str | None) -> tuple[Any, An
     """
     from transformers import AutoTokenizer
 
-    from agentrl.inference.client import SGLangClient
+    from agentrl.inference.client.sglang_client import SGLangClient
     from agentrl.tiny import PRESETS, build_tiny_tokenizer
 
     name = tokenizer_name or cfg.model.path

@@ -445,8 +445,9 @@ async def push_weights(
     In process (``remote_dir`` is ``None``) each rank's engine loads the shards' full tensors
     one at a time, in place (the engine gathers each ``DTensor`` as it copies it). Remote, rank
     0 gathers the weights and pushes them once, over ``distributed`` (a
-    :class:`~agentrl.inference.weight_push.DistributedWeightPush`, rank 0's) or as a safetensors
-    checkpoint that ``/update_weights_from_disk`` loads; every rank then waits for the push.
+    :class:`~agentrl.inference.client.weight_push.DistributedWeightPush`, rank 0's) or as a
+    safetensors checkpoint that ``/update_weights_from_disk`` loads; every rank then waits for
+    the push.
 
     Returns:
         ``time/sync_s`` and, remote from disk, ``time/weight_write_s``.
