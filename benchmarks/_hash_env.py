@@ -42,3 +42,25 @@ class HashEnv(Env):
 
 
 register("bench-hash-v0", HashEnv)
+
+
+class StandinHashEnv(HashEnv):
+    """``bench-hash-v0`` for random-weight stand-ins: held-out episodes stop at 16 tokens.
+
+    A stand-in never passes them, and a full-length evaluation would cost as much decoding as a
+    training step (at 8k tokens a turn, most of a short run).
+    """
+
+    held_out = False
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[list[Message], dict]:
+        """Show the question; note whether the task is held out."""
+        self.held_out = task.id.startswith("test")
+        return await super().reset(task, seed=seed)
+
+    def turn_max_new_tokens(self, turn: int) -> int | None:
+        """16 tokens on held-out tasks; the rollout's limit on training tasks."""
+        return 16 if self.held_out else None
+
+
+register("standin-hash-v0", StandinHashEnv)
