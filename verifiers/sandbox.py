@@ -30,8 +30,10 @@ namespace mode the program is the sandbox's pid 1 (``--as-pid-1``): when it ends
 whatever it left behind. Executions run in worker threads bounded by the sandbox's concurrency
 limit, never on the event loop.
 
-This module holds the public API and the run logic; the OS plumbing (pipes, kills, child setup,
-bwrap options) lives in the private :mod:`agentrl.verifiers._sandbox_os`.
+This module holds the public API and the run logic; the OS plumbing lives in private modules: a
+run's limits, pipes and outcome (:mod:`~agentrl.verifiers._sandbox_io`), its processes (start,
+child setup, uids, kills: :mod:`~agentrl.verifiers._sandbox_processes`) and namespace mode
+(bwrap's options and status: :mod:`~agentrl.verifiers._sandbox_bwrap`).
 """
 
 from __future__ import annotations
@@ -56,24 +58,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.errors import VerifierError
-from agentrl.verifiers._sandbox_os import (
-    _MARKER,
-    _PATH,
+from agentrl.verifiers._sandbox_bwrap import (
+    _await_namespace,
+    _bwrap_args,
+    _hidden_dirs,
+    _kill_namespace,
+)
+from agentrl.verifiers._sandbox_io import (
     ExecStatus,
     Isolation,
     IsolationChoice,
     Limits,
-    _await_namespace,
-    _blocking_ancestor,
-    _bwrap_args,
-    _child_setup,
-    _count_tasks,
-    _hidden_dirs,
-    _kill_group,
-    _kill_namespace,
-    _kill_strays,
     _outcome,
     _Pipes,
+)
+from agentrl.verifiers._sandbox_processes import (
+    _MARKER,
+    _PATH,
+    _blocking_ancestor,
+    _child_setup,
+    _count_tasks,
+    _kill_group,
+    _kill_strays,
     _popen,
     _release_uid,
     _Setup,

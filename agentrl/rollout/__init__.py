@@ -1,8 +1,8 @@
 """Rollouts: many multi-turn episodes in flight at once, token-in/token-out.
 
 Owns the episode loop (env ``reset``/``step`` against an inference client), groups of G
-episodes per task, partial rollouts across weight updates, failure isolation, the JSONL sink
-(:mod:`~agentrl.rollout.engine`) and the append-only tokenisation of a conversation with a chat
+episodes per task, failure isolation, the JSONL sink (:mod:`~agentrl.rollout.engine`), partial
+rollouts across weight updates (:mod:`~agentrl.rollout.partial_rollouts`) and the append-only tokenisation of a conversation with a chat
 template (:mod:`~agentrl.rollout.chat`). See ``docs/architecture.md``.
 
 Imports ``agentrl.env``, ``agentrl.types`` and the inference protocol

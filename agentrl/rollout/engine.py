@@ -11,29 +11,25 @@ event loop (:mod:`~agentrl.rollout.watchdog`): no env can hang the engine. Rewar
 come from ``env.step`` (verifiers run there, off the event loop), so scoring one episode overlaps
 with generating the others.
 
-Partial rollouts: :meth:`RolloutEngine.interrupt` closes a gate and aborts (or pauses) the
-requests in flight; each keeps the tokens it sampled with their log-probs and weight versions,
-and after :meth:`RolloutEngine.release` it continues from prompt + partial output on whatever
-weights the engine serves then. An episode can span several versions; every token keeps its own.
-``release`` lets the turns re-send while the server is still paused, so that the server finds
-them all queued when it continues and prefills them in one batch.
+Partial rollouts: :meth:`RolloutEngine.interrupt` and :meth:`RolloutEngine.release` close and
+open the gate of a weight update; each turn keeps what it sampled and resumes on the new weights
+(:mod:`~agentrl.rollout.partial_rollouts`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
-from typing import Any, Literal, Protocol, cast
+from typing import Any
 
 from agentrl.env import Env
 from agentrl.errors import ConfigError, ServerError
-from agentrl.inference.base import GenerateOutput, InferenceClient, SamplingParams
+from agentrl.inference.base import GenerateOutput, InferenceClient
 from agentrl.rollout import observations
 from agentrl.rollout.chat import ChatTokenizer
 from agentrl.rollout.env_pool import EnvThreads, EnvThreadsStuck, reset_pool, use_pool
@@ -44,6 +40,7 @@ from agentrl.rollout.episode import (
     checked_turn_cap,
     env_call,
 )
+from agentrl.rollout.partial_rollouts import WeightGate, generate_turn, pausable
 from agentrl.rollout.records import JsonlSink, rollout_metrics
 from agentrl.rollout.rollout_config import RolloutConfig
 from agentrl.rollout.watchdog import LoopWatchdog, OnStall
@@ -55,40 +52,6 @@ log = logging.getLogger(__name__)
 
 
 EnvFactory = Callable[[], Env]
-
-
-class _Pausable(Protocol):
-    """A client with SGLang's pause/continue (``LocalEngine``, ``SGLangClient``)."""
-
-    async def pause(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> object: ...
-
-    async def continue_generation(self) -> None: ...
-
-
-def _pausable(client: object) -> _Pausable | None:
-    """``client`` if it can pause and continue, else ``None``.
-
-    Checked by attribute lookup rather than ``isinstance`` on a runtime protocol, which since
-    Python 3.12 ignores attributes that a wrapping client forwards through ``__getattr__``.
-    """
-    names = ("pause", "continue_generation")
-    ok = all(callable(getattr(client, name, None)) for name in names)
-    return cast(_Pausable, client) if ok else None
-
-
-_RESEND_YIELDS = 100  # most loop turns release() waits for turns to pass the gate (all wake in
-# one turn; the bound only guards against a stuck one)
-
-
-def _attempt_seed(seed: int | None, attempt: int) -> int | None:
-    """The sampling seed of a turn's ``attempt``-th request (0: the turn's own seed).
-
-    A resumed request needs a fresh stream: ``seed + attempt`` would replay the next turn's.
-    """
-    if seed is None or attempt == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}/{attempt}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31)
 
 
 class RolloutEngine:
@@ -116,7 +79,7 @@ class RolloutEngine:
         self.client = client
         self.tokenizer = tokenizer
         self.config = config or RolloutConfig()
-        if self.config.interrupt_mode != "abort" and _pausable(client) is None:
+        if self.config.interrupt_mode != "abort" and pausable(client) is None:
             raise ConfigError(
                 f"rollout.interrupt_mode: {self.config.interrupt_mode!r} needs a client that "
                 f"can pause (the embedded engine, SGLang); {type(client).__name__} cannot"
@@ -134,11 +97,7 @@ class RolloutEngine:
         self._warned: set[str] = set()  # envs whose too-long observation was logged
         self._sem = asyncio.Semaphore(self.config.concurrency)
         self._token_text: dict[int, str] = {}
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._at_gate = 0  # turns waiting at the closed gate to send a request
-        self._epoch = 0  # bumped by every interrupt(); a request of an older epoch resumes
-        self._paused = False
+        self._gate = WeightGate()
         self._tag = uuid.uuid4().hex[:6]  # request ids stay unique across engines and processes
         self._attempts = itertools.count()
         # The embedded engine says whether it records routing; a server is asked per request.
@@ -250,7 +209,10 @@ class RolloutEngine:
                 seed=None if seed is None else (seed * 1009 + turn) % (2**31),
             )
             t = time.perf_counter()
-            out = await self._generate_turn(ep, params, f"{episode_id}/t{turn}", episode_id, rid)
+            turn_id = f"{episode_id}/t{turn}"
+            out = await generate_turn(
+                self.client, self._gate, ep, params, turn_id, episode_id, rid, routed=self.routed
+            )
             ep.timing.generate_s += time.perf_counter() - t
             span = ep.append_output(out)
             action, reasoning, stop_text = self._decode_action(out)
@@ -299,78 +261,6 @@ class RolloutEngine:
             ep.append_observation(obs)
         ep.truncated, ep.finish_reason = True, "max_turns"
 
-    async def _generate_turn(
-        self,
-        ep: EpisodeState,
-        params: SamplingParams,
-        turn_id: str,
-        session_id: str,
-        rid: list[str | None],
-    ) -> GenerateOutput:
-        """One assistant turn, surviving weight updates (partial rollouts).
-
-        A request cut off by :meth:`interrupt` keeps the tokens it sampled, with their log-probs
-        and versions; after :meth:`release` it is re-sent as prompt + partial output under a
-        new rid (``<turn>.rN``: SGLang refuses a rid that is still open), for the tokens left in
-        its budget, so the turn spans several weight versions. Only an abort that an interrupt
-        caused resumes; any other abort ends the turn as ``abort``.
-        """
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        attempt = 0
-        while True:
-            if not self._gate.is_set():  # no request starts while weights are being swapped
-                self._at_gate += 1
-                try:
-                    await self._gate.wait()
-                finally:
-                    self._at_gate -= 1
-            epoch = self._epoch
-            rid[0] = turn_id if attempt == 0 else f"{turn_id}.r{attempt}"
-            routed: dict[str, Any] = {}
-            if self.routed:  # the rows known already are not sent again
-                routed = dict(return_routed_experts=True, routed_experts_start_len=ep.routed_rows)
-            out = await self.client.generate(
-                ep.tokens + ids,
-                replace(
-                    params,
-                    max_new_tokens=params.max_new_tokens - len(ids),
-                    seed=_attempt_seed(params.seed, attempt),
-                ),
-                rid=rid[0],
-                session_id=session_id,
-                **routed,
-            )
-            rid[0] = None
-            if out.routed_experts is not None:
-                ep.add_routing(out.routed_experts)
-            elif self.routed and not (out.finish_reason == "abort" and not out.output_ids):
-                raise ServerError("return_routed_experts: the response has no routed experts")
-            ids += out.output_ids
-            logprobs += out.logprobs
-            versions += out.versions
-            finish = out.finish_reason
-            if finish != "abort" or self._epoch == epoch:
-                break  # done, or aborted by someone else (the server): not ours to resume
-            ep.interruptions += 1
-            if len(ids) >= params.max_new_tokens:  # cut exactly at its last token
-                finish = "length"
-                break
-            ep.resumes += bool(ids)  # a continuation, not a plain re-send
-            attempt += 1
-        return GenerateOutput(
-            rid=turn_id,
-            output_ids=ids,
-            logprobs=logprobs,
-            versions=versions,
-            finish_reason=finish,
-            weight_version=out.weight_version,
-            prompt_tokens=len(ep.tokens),
-            matched_stop=out.matched_stop,
-            endpoint=out.endpoint,
-        )
-
     async def interrupt(self, then: Callable[[], None] | None = None) -> None:
         """Cut off in-flight generation for a weight update (partial rollouts).
 
@@ -383,18 +273,7 @@ class RolloutEngine:
         once paused: the turns re-send during the push); any other gets ``abort(None)``. Push
         the new weights, then call :meth:`release`.
         """
-        self._epoch += 1
-        self._gate.clear()
-        if then is not None:
-            then()
-        pausable = _pausable(self.client)
-        if pausable is not None:
-            self._paused = True  # (before the call: a pause that half failed is undone too)
-            await pausable.pause(self.config.interrupt_mode)
-            if getattr(self.client, "queues_while_paused", False):
-                self._gate.set()
-        else:
-            await self.client.abort(None)
+        await self._gate.interrupt(self.client, self.config.interrupt_mode, then)
 
     async def release(self) -> None:
         """Let generation continue (on the new weights) after :meth:`interrupt`.
@@ -403,18 +282,7 @@ class RolloutEngine:
         still paused: the interrupted turns re-send and queue there, so that it finds them all
         and prefills them in one batch, not one by one as they arrive.
         """
-        pausable = _pausable(self.client)
-        self._gate.set()
-        try:
-            if self._paused and pausable is not None:
-                for _ in range(_RESEND_YIELDS):  # until every waiting turn has sent its request
-                    if not self._at_gate:
-                        break
-                    await asyncio.sleep(0)
-                await asyncio.sleep(0)  # (and the last one's client got past its own awaits)
-                await pausable.continue_generation()
-        finally:
-            self._paused = False
+        await self._gate.release(self.client)
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
