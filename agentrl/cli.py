@@ -131,6 +131,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # the run's weights directory; without run_dir its name is not known yet: out_dir
         run_weights = Path(config.run_dir) / "weights" if config.run_dir else Path(config.out_dir)
         weights_dirs.append(str(run_weights))
+        if config.run_dir:  # learner.lora: the adapters the trainer writes for /load_lora_adapter
+            weights_dirs.append(str(Path(config.run_dir) / "adapters"))
         model, tokenizer = load_policy(config)
         engine = make_local_engine(model, tokenizer, config, copy_model=False)
         model_path = config.model.path

@@ -116,6 +116,10 @@ class InferenceConfig(_Section):
     admin_api_key: str | None = None
     """The key of the control calls (pause, continue, abort, weight updates, flush:
     ``--admin-api-key``), as ``env:NAME`` or ``file:PATH``; unset: ``api_key``."""
+    engine_gpus: int | None = Field(None, ge=1)
+    """Dedicated inference: ``agentrl train`` starts K ``agentrl serve`` processes on the cards
+    after the learner's (N cards: ``torchrun --nproc-per-node N-K``; CPU: K on the CPU), used as
+    ``endpoints`` with ``weight_sync = "distributed"`` (:mod:`agentrl.loop.engine_procs`)."""
 
     @field_validator("endpoints", mode="before")
     @classmethod
@@ -123,6 +127,18 @@ class InferenceConfig(_Section):
         from agentrl.inference.client.endpoints import parse_endpoints
 
         return parse_endpoints(value)
+
+    @model_validator(mode="after")
+    def _engines_or_endpoints(self) -> InferenceConfig:
+        if self.engine_gpus is None:
+            return self
+        if self.endpoints:
+            raise ValueError("engine_gpus starts servers of its own: set it or endpoints")
+        if "weight_sync" not in self.model_fields_set:  # the saved config.yaml says so too
+            self.weight_sync = "distributed"
+        elif self.weight_sync != "distributed":
+            raise ValueError(f'engine_gpus needs weight_sync "distributed": {self.weight_sync!r}')
+        return self
 
     @field_validator("api_key", "admin_api_key")
     @classmethod

@@ -17,10 +17,10 @@ token ratio's variance, wall time and the RL seconds to the first evaluation at 
 order ``2 k3 = E[(r - 1)^2]``, which is ``Var(r)`` as ``E[r] = 1`` under the sampling policy.
 
 Distillation: the teacher is a trained ``cpu-tiny`` run's export (the GSPO-token arm's first
-seed, or a run of its own, or ``--teacher DIR``); the ``cpu-tiny-distill`` preset's smaller
-student is trained from the same start and seeds with ``teacher.mode=distill`` and with RL alone
-(GSPO-token, no teacher). Its figure: RL seconds to come within 10 points of the teacher's
-held-out success.
+seed, or a run of its own, or ``--teacher DIR``); the ``cpu-tiny-distill`` preset's student (the
+teacher's shape, from its own cold start) is trained from the same start and seeds with
+``teacher.mode=distill`` (the preset's GRPO token-level loss) and with RL alone (GSPO-token, no
+teacher). Its figure: RL seconds to come within 10 points of the teacher's held-out success.
 
 Runs go ``--parallel`` at a time (torch threads 1 each), so arms share the machine alike.
 """

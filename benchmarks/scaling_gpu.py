@@ -11,9 +11,11 @@
   (bf16 autocast and bf16 head, compiled layers, selective recomputation, Triton attention
   where Triton is installed), which runs under FSDP2 as in one process;
   ``--body transformers`` measures transformers' forward instead.
-* **Loop** (``--loop``): ``agentrl train`` on ``arith-v0`` with a Qwen3-0.6B-shaped body on 1
-  and on 2 GPUs (``torchrun``; each rank's engine on its card), trained tokens/s of the steps,
-  with the same learner body and levers.
+* **Loop** (``--loop``, :mod:`_scaling_loop`): ``agentrl train``'s trainer on 1, 2 and 4 GPUs
+  (``torchrun``; each rank's engine on its card), warm, medians of ``--loop-steps`` timed
+  steps: weak and strong scaling of a short and a generation-bound workload, each rank's split
+  of a step, with the same learner body and levers (``loop_weak_efficiency_N``,
+  ``loop_strong_speedup_N``, ``loop_profile``).
 * **Push**: ``benchmarks/weight_push.py``'s measurement for both shapes: the safetensors write
   plus ``/update_weights_from_disk`` vs the bucketed broadcast to ``agentrl serve`` on another
   card (NCCL; gloo on a CPU host).
@@ -52,6 +54,9 @@ from agentrl.learner import Learner, LearnerConfig, TrainSample
 from agentrl.tiny import QWEN3_0_6B_SHAPE, tiny_config
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _scaling_loop  # noqa: E402 - benchmarks/ is a folder of scripts
+
 GIB = 2**30
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
@@ -220,50 +225,22 @@ def run_workers(args: argparse.Namespace, gpus: int, work: Path) -> dict[str, An
     return dict(json.loads(out.read_text()))
 
 
-def loop_config(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    """A short ``agentrl train`` run: synchronous loop, no cold start, an untrained policy."""
-    tiny = {} if args.device == "cpu" else {k: QWEN3_0_6B_SHAPE[k] for k in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim")}  # fmt: skip
-    cuda = args.device == "cuda"
-    dtype = "bfloat16" if cuda else "float32"
-    return {
-        "run_dir": str(run_dir),
-        "model": {"device": "auto" if cuda else "cpu", "tiny": tiny, "dtype": dtype},
-        "env": {"id": "arith-v0", "task_kwargs": {"digits": 3}, "num_eval_tasks": 8},
-        "rollout": {"group_size": 8, "max_turns": 1, "max_new_tokens": args.loop_new_tokens,
-                    "max_total_tokens": args.loop_new_tokens + 32, "ignore_eos": True},
-        # every response is max_new_tokens long (ignore_eos); answers without a number are
-        # penalised, which gives the untrained policy's groups a signal to train on
-        "advantages": {"shapers": [{"name": "format", "penalty": 1.0}]},
-        "inference": {"max_batch_size": 256, "kv_cache_frac": 0.3},
-        # the same body and levers on 1 and 2 GPUs as the learner measurement
-        "learner": {"lr": 1e-6, "num_minibatches": 1, **body_levers(args)},
-        "train": {"steps": args.loop_steps, "tasks_per_step": args.loop_tasks, "eval_every": 0,
-                  "max_staleness": 0},
-    }  # fmt: skip
-
-
-def run_loop(args: argparse.Namespace, gpus: int, work: Path) -> dict[str, Any]:
-    """Sampled and trained tokens/s of ``agentrl train`` on ``gpus`` ranks (after step 1)."""
-    import yaml
-
-    run_dir = work / f"loop-{gpus}"
-    config = work / f"loop-{gpus}.yaml"
-    config.write_text(yaml.safe_dump(loop_config(args, run_dir)))
+def run_loop(args: argparse.Namespace, gpus: int, work: Path) -> list[dict[str, Any]]:
+    """Every loop measurement on ``gpus`` ranks, in one torchrun launch (``_scaling_loop``)."""
+    out = work / f"loop-{gpus}.json"
+    steps = ["--loop-warmup", str(args.loop_warmup), "--loop-steps", str(args.loop_steps)]
+    for w in ("short", "gen"):
+        steps += [f"--loop-{w}-tasks", str(getattr(args, f"loop_{w}_tasks")),
+                  f"--loop-{w}-tokens", str(getattr(args, f"loop_{w}_tokens"))]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={gpus}", "-m", "agentrl.cli", "train", str(config)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           f"--nproc-per-node={gpus}", str(Path(__file__).resolve()), "--worker", "--out",
+           str(out), "--device", args.device, "--body", args.body, *steps,
+           "--loop-plan", json.dumps(_scaling_loop.plan(args, gpus))]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(cmd, env=env, stdout=sys.stderr)  # the workers' output as it comes
     if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return {"error": f"exit {proc.returncode}"}
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "time/step_s" in m][1:]  # the first step warms up
-    wall = sum(m["time/step_s"] for m in steps)
-    sampled = sum(m["rollout/episodes"] * m["rollout/response_len_mean"] for m in steps)
-    trained = sum(m.get("perf/tokens", 0.0) for m in steps)
-    return {"tokens_per_s": sampled / wall, "trained_tokens_per_s": trained / wall,
-            "step_s": wall / max(len(steps), 1)}  # fmt: skip
+        return [{"gpus": gpus, "error": f"exit {proc.returncode}"}]
+    return [_scaling_loop.summary(per_rank) for per_rank in json.loads(out.read_text())]
 
 
 def run_push(args: argparse.Namespace) -> dict[str, Any]:
@@ -310,21 +287,24 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--learner", action=argparse.BooleanOptionalAction, default=True,
                     help="measure learner scaling (--no-learner: the loop and the push only)")
-    ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--loop-steps", type=int, default=6)
-    ap.add_argument("--loop-tasks", type=int, default=32, help="tasks per step (x8 episodes)")
-    ap.add_argument("--loop-new-tokens", type=int, default=256)
+    ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
+                    help="the whole loop's weak and strong scaling (_scaling_loop.py)")
+    _scaling_loop.add_args(ap)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on the CPU: gloo ranks, a tiny model, a few steps (= --device cpu)")
     ap.add_argument("--push", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--worker", action="store_true", help="(internal) one torchrun measurement")
     ap.add_argument("--out", default=None, help="(worker) result file")
     args = ap.parse_args()
+    if args.dry_run:
+        args.device = "cpu"
     cpu = args.device == "cpu"
     if args.shapes is None:
         args.shapes = ["tiny"] if cpu else ["qwen3-0.6b", "qwen3-1.7b"]
     if cpu and not args.worker:  # the dry run: a tiny batch, seconds on two cores
         args.num_seqs, args.prompt_len, args.response_min, args.response_max = 4, 16, 8, 48
         args.micro_batch_tokens, args.chunk_size, args.warmup, args.repeats = 256, 64, 1, 2
-        args.loop_steps, args.loop_tasks, args.loop_new_tokens = 3, 4, 8
+        _scaling_loop.dry_run(args)
     if args.gpus is None:
         have = 2 if cpu else torch.cuda.device_count()
         args.gpus = [n for n in (1, 2, 4) if n <= have]
@@ -333,6 +313,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.worker and args.loop_plan is not None:
+        _scaling_loop.worker(args)
+        return
     if args.worker:
         worker(args)
         return
@@ -341,10 +324,12 @@ def main() -> None:
     for n in args.gpus if args.learner else []:  # each figure as soon as it is measured
         learner[n] = run_workers(args, n, work)
         progress(f"learner on {n} GPU(s): {learner[n]}")
-    loop: dict[int, dict[str, Any]] = {}
-    for n in [n for n in args.gpus if n <= 2] if args.loop else []:
-        loop[n] = run_loop(args, n, work)
-        progress(f"loop on {n} GPU(s): {loop[n]}")
+    loop: list[dict[str, Any]] = []
+    for n in args.gpus if args.loop else []:
+        for r in run_loop(args, n, work):
+            loop.append(r)
+            progress(f"loop on {n} GPU(s): {r}")
+    loop_ok = [r for r in loop if "error" not in r]
     push = run_push(args) if args.push and (args.device == "cpu" or max(args.gpus) >= 2) else {}
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)"
 
@@ -365,8 +350,10 @@ def main() -> None:
             eff = by_gpus[s][n] / (n * by_gpus[s][1]) if 1 in by_gpus[s] else float("nan")
             print(f"{s:<12}{n:>5}{r[s]['tokens_per_s']:>11.0f}{r[s]['step_s']:>9.3f}"
                   f"{r[s]['peak_gib']:>10.2f}{eff:>7.1%}")  # fmt: skip
-    for n, r in loop.items():
-        print(f"loop on {n} GPU(s): {r}")
+    if loop_ok:
+        print(f"the loop on {card}: sampled tokens/s (median of {args.loop_steps} timed steps "
+              f"after {args.loop_warmup} untimed) and each rank's median split of a step (s)")
+        _scaling_loop.print_table(loop_ok)
     for s, r in push.items():
         print(f"push {s}: disk {r['disk_s']:.3f} s, distributed {r['push_s']:.3f} s "
               f"({r['speedup']:.1f}x), {r['bytes'] / 1e9:.2f} GB")  # fmt: skip
@@ -378,7 +365,10 @@ def main() -> None:
         "scaling_efficiency_4": efficiency(4),
         "peak_mem_gib_by_gpus": {s: {n: round(v, 2) for n, v in d.items()} for s, d in
                                  peaks.items()},
-        "loop_tokens_per_s_by_gpus": {n: r.get("tokens_per_s") for n, r in loop.items()},
+        "loop_tokens_per_s_by_gpus": {r["gpus"]: r["tokens_per_s"] for r in loop_ok
+                                      if r["workload"] == "short" and r["mode"] != "strong"},
+        **_scaling_loop.figures(loop_ok),
+        "loop_errors": [r for r in loop if "error" in r],
         "nccl_push_s": {s: r["push_s"] for s, r in push.items()} if nccl else None,
         "gloo_push_s": None if nccl else {s: r["push_s"] for s, r in push.items()},
         "disk_push_s": {s: r["disk_s"] for s, r in push.items()},

@@ -3,8 +3,9 @@
 SGLang's semantics (``--api-key`` / ``--admin-api-key``, ``Authorization: Bearer <key>``):
 
 - ``/health*``, ``/ready*`` and ``/metrics*`` need no key (probes carry no secrets).
-- The admin routes (:data:`ADMIN_ROUTES`: weights, pause, continue, abort, flush) want the admin
-  key when one is set (the API key is then refused), else the API key when one is set, else none.
+- The admin routes (:data:`ADMIN_ROUTES`: weights, LoRA adapters, pause, continue, abort, flush)
+  want the admin key when one is set (the API key is then refused), else the API key when one is
+  set, else none.
 - Every other route wants the API key when one is set (the admin key does not stand in for it),
   else none.
 
@@ -27,6 +28,7 @@ ADMIN_ROUTES = frozenset(
         "/update_weights_from_distributed", "/init_weights_update_group",
         "/destroy_weights_update_group", "/update_weight_version",
         "/release_memory_occupation", "/resume_memory_occupation",
+        "/load_lora_adapter", "/unload_lora_adapter",
     }
 )  # fmt: skip
 """Routes that change what the server serves or abort others' requests (SGLang's admin level)."""

@@ -26,6 +26,7 @@ from agentrl.env import import_envs
 from agentrl.errors import ConfigError
 from agentrl.learner import Learner, LearnerConfig
 from agentrl.loop import ranks as dist_ranks
+from agentrl.loop.engine_procs import DedicatedClient, start_engines
 from agentrl.loop.placement import (
     learner_state_bytes,
     load_policy,
@@ -59,7 +60,8 @@ class RunParts:
         tokenizer: the policy's tokenizer.
         chat: the chat template over ``tokenizer``.
         learner: the learner that updates ``model``.
-        client: the embedded engine, or the SGLang client of ``inference.endpoints``.
+        client: the embedded engine, or the SGLang client of ``inference.endpoints`` (or of
+            the engines ``inference.engine_gpus`` started: :mod:`agentrl.loop.engine_procs`).
         teacher: the on-policy distillation teacher, or ``None``.
         weight_push: the push to the endpoints (rank 0's), or ``None`` (in process, or disk).
         rollout: the training episodes' rollout engine.
@@ -128,18 +130,29 @@ def assemble(
     # the learner adds its adapters (the engine serves the base and takes the adapters apart)
     engine_model = None
     apart = ranks.world_size > 1 or config.learner.lora is not None
-    if client is None and apart and not config.inference.endpoints:
+    dedicated = config.inference.engine_gpus is not None  # engines of its own (engine_procs)
+    if client is None and apart and not config.inference.endpoints and not dedicated:
         engine_model = copy.deepcopy(model)
     if learner is None:
         learner = Learner(model, _learner_config(config))
 
     # what serves the policy, and what its weights reach it by
-    if client is None:
+    served = config  # with engine_gpus: as if inference.endpoints were its engines
+    if client is None and dedicated:
+        served, client = start_engines(config, run_dir, model)
+    elif client is None:
         client = _client(config, model, tokenizer, engine_model)
-    teacher = make_teacher(config, tokenizer)  # on-policy distillation, or None
-    weight_push = (  # None: disk or local; rank 0 pushes for every rank
-        make_weight_push(config, learner.device) if ranks.is_main else None
-    )
+    try:
+        teacher = make_teacher(config, tokenizer)  # on-policy distillation, or None
+        weight_push = (  # None: disk or local; rank 0 pushes for every rank
+            make_weight_push(served, learner.device) if ranks.is_main else None
+        )
+    except BaseException:
+        if isinstance(client, DedicatedClient) and client.procs is not None:
+            client.procs.stop()  # no server outlives a run that never started
+        raise
+    if isinstance(client, DedicatedClient):
+        client.weight_push = weight_push  # torchrun: the gathered shards go out through it
 
     # the episodes, and where their figures go
     rollout = RolloutEngine(client, tokenizer, config.rollout, chat=chat)

@@ -19,6 +19,7 @@ import inspect
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -296,6 +297,75 @@ async def push_weights(
             torch.cuda.synchronize(learner.device)  # the copy is done when the time is taken
     out["time/sync_s"] = time.perf_counter() - t
     return out
+
+
+async def push_adapter(
+    learner: Any,
+    client: Any,
+    version: int,
+    run_dir: Path,
+    *,
+    remote: bool,
+    is_main: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Push the learner's LoRA adapters as ``version``, named ``{run}-v{version}``.
+
+    Only the adapters move; the engines keep serving their base. In process the engine
+    merges the adapter tensors into its copy of the base (``load_lora_adapter_tensors``).
+    Remote, the adapter is written in peft's layout to ``run_dir/adapters/v{version}`` (every
+    rank calls; rank 0 writes), loaded by name on every endpoint (SGLang's
+    ``/load_lora_adapter``) and used by later requests; the directories older than the
+    previous version's are removed (the previous one may still serve requests).
+
+    Returns:
+        ``time/sync_s`` (the whole push) and, remote, ``time/weight_write_s``.
+    """
+    t = time.perf_counter()
+    out: dict[str, float] = {}
+    name = f"{run_dir.name}-v{version}"
+    scaling = learner.lora.alpha / learner.lora.rank
+    if not remote and not hasattr(client, "load_lora_adapter_tensors"):
+        # a client of its own that takes full weights only: the merged ones
+        await client.update_weights_from_state_dict(learner.live_weights(), version)
+    elif not remote:
+        adapter = learner.adapter_state()  # every rank gathers its shards
+        loaded = list(client.loaded_lora_adapters)  # the engine keeps each until unloaded
+        name = _fresh(name, set(loaded))
+        await client.load_lora_adapter_tensors(name, adapter, scaling, weight_version=version)
+        for old in loaded:  # inactive now: gone at once, nothing to drain
+            await client.unload_lora_adapter(old)
+        if learner.device.type == "cuda":
+            torch.cuda.synchronize(learner.device)
+    else:
+        root = run_dir / "adapters"
+        path = learner.save_adapter(root / f"v{version}")
+        out["time/weight_write_s"] = time.perf_counter() - t
+        if is_main:
+            name = _fresh(name, client.lora_names)
+            await client.load_lora_adapter(name, str(path.resolve()))
+            await client.use_lora_adapter(name, version)
+            _drop_old_adapters(root, version)
+        if barrier is not None:
+            barrier()  # no rank rolls out before the endpoints serve the new version
+    out["time/sync_s"] = time.perf_counter() - t
+    return out
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    """``name``, or ``name-2``, ``name-3``... (a version pushed again: the cold start's checks)."""
+    k = 1
+    while (candidate := name if k == 1 else f"{name}-{k}") in taken:
+        k += 1
+    return candidate
+
+
+def _drop_old_adapters(root: Path, version: int) -> None:
+    """Remove ``root/v{k}`` for every ``k`` older than the newest one before ``version``."""
+    found = sorted(int(d.name[1:]) for d in root.glob("v*") if d.name[1:].isdigit() and d.is_dir())
+    older = [k for k in found if k < version]
+    for k in older[:-1]:
+        shutil.rmtree(root / f"v{k}", ignore_errors=True)
 
 
 @contextmanager

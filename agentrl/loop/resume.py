@@ -23,6 +23,7 @@ import torch
 
 from agentrl.loop.atomic import disk_errors
 from agentrl.loop.checkpoints import begin, commit, committed, name_of, verify
+from agentrl.loop.hosts import collect_files
 from agentrl.loop.logs import LOGS, cut_logs, start_over
 
 __all__ = [
@@ -70,7 +71,8 @@ def write_checkpoint(
         with disk_errors(final):
             learner.save_checkpoint(tmp)
             torch_save(state, state_file(tmp, ranks.rank))
-        ranks.barrier()
+            ranks.barrier()
+            collect_files(ranks, tmp)  # ranks on other hosts: their shards, to rank 0's disk
         if ranks.is_main:
             commit(tmp, step, keep=keep)
     except Exception:

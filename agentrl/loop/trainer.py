@@ -37,7 +37,12 @@ from agentrl.loop.cold_start import of_trainer as run_cold_start
 from agentrl.loop.export_run import export_final
 from agentrl.loop.health import RunHealth, write_records
 from agentrl.loop.pipeline import Pipeline
-from agentrl.loop.placement import gil_switch_interval, on_side_stream, push_weights
+from agentrl.loop.placement import (
+    gil_switch_interval,
+    on_side_stream,
+    push_adapter,
+    push_weights,
+)
 from agentrl.loop.resume import (
     cut_logs,
     finished_summary,
@@ -121,6 +126,12 @@ class Trainer:
         The push's timings are kept in ``last_push`` (see :func:`placement.push_weights`).
         """
         remote = self.run_dir / "weights" if self.config.inference.endpoints else None
+        if self.learner.lora is not None:  # only the adapters move (placement.push_adapter)
+            self.last_push = await push_adapter(
+                self.learner, self.client, self.step, self.run_dir, remote=remote is not None,
+                is_main=self.ranks.is_main, barrier=self.ranks.barrier,
+            )  # fmt: skip
+            return self.last_push["time/sync_s"]
         push = push_weights if self.ranks.world_size == 1 else dist_ranks.push_weights
         self.last_push = await push(
             self.learner, self.client, self.step, remote, self.tokenizer, self.weight_push

@@ -37,6 +37,7 @@ from agentrl import fast_json
 from agentrl.errors import ServerError
 from agentrl.inference.api_keys import bearer, key_for
 from agentrl.inference.base import GenerateOutput, SamplingParams
+from agentrl.inference.client.adapters import AdapterPlane, AdapterState
 from agentrl.inference.client.control import ControlPlane
 from agentrl.inference.client.endpoints import (
     Active,
@@ -57,7 +58,7 @@ from agentrl.inference.sglang_api import (
 logger = logging.getLogger(__name__)
 
 
-class SGLangClient(ControlPlane):
+class SGLangClient(ControlPlane, AdapterPlane):
     """An :class:`~agentrl.inference.base.InferenceClient` for one or more SGLang servers.
 
     Args:
@@ -120,6 +121,7 @@ class SGLangClient(ControlPlane):
         self._routed_shape = routed_experts_shape
         self._routed_shapes: dict[str, tuple[int, int]] = {}  # read from each /model_info
         self._keys = (api_key, admin_api_key)
+        self._lora = AdapterState()  # the adapter requests use (agentrl.inference.client.adapters)
 
     @property
     def endpoints(self) -> list[str]:
@@ -284,7 +286,7 @@ class SGLangClient(ControlPlane):
                 body["routed_experts_start_len"] = routed_experts_start_len
         active = self._active[rid] = Active(server_rid=rid)
         try:
-            return await self._generate(body, rid, session_id, active)
+            return await self._adapted(body, lambda: self._generate(body, rid, session_id, active))
         finally:
             del self._active[rid]
 

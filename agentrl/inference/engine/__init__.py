@@ -5,7 +5,8 @@
 the loop use it (and ``PAUSE_MODES`` / ``PauseMode``) through this package, never a module inside
 it. Inside: the request lifecycle
 (``batcher.py``), the transformers path's runner (``dense_runner.py``), which path a model takes
-(``path_choice.py``), on a GPU the paged path (``paged_batcher.py``, ``paged_runner.py``,
+(``path_choice.py``), weight updates (``weight_updates.py``) and LoRA adapters merged one at a
+time (``adapters.py``), on a GPU the paged path (``paged_batcher.py``, ``paged_runner.py``,
 ``paged_moe.py``, ``kv_cache.py``, ``prefill_graphs.py``, ``sampling.py``), model and weight
 loading (``model_io.py``) and the engine's own threads (``worker.py``).
 

@@ -38,11 +38,13 @@ import torch
 from agentrl.errors import ServerError
 from agentrl.inference.base import GenerateOutput, SamplingParams
 from agentrl.inference.engine import model_io
+from agentrl.inference.engine.adapters import AdapterSet, LoraServing
 from agentrl.inference.engine.batcher import Batcher, Request
 from agentrl.inference.engine.dense_runner import ModelRunner
 from agentrl.inference.engine.paged_batcher import build_paged
 from agentrl.inference.engine.paged_runner import PagedRunner
 from agentrl.inference.engine.path_choice import choose_path
+from agentrl.inference.engine.weight_updates import WeightUpdates
 from agentrl.inference.engine.worker import in_worker
 from agentrl.inference.routing_records import RoutingRecorder, records_routing, refusal
 from agentrl.inference.sglang_api import request_problem, warn_if_truncating
@@ -55,13 +57,13 @@ RESUME_SETTLE_S = 0.002  # after resume, the first step waits until no request a
 RESUME_SETTLE_MAX_S = 0.05  # this long, or this long in all
 
 
-class LocalEngine:
+class LocalEngine(WeightUpdates, LoraServing):
     """An in-process engine: continuous batching, KV cache, SGLang-convention log-probs.
 
     Implements :class:`~agentrl.inference.base.InferenceClient`, plus the control surface of
-    SGLang's server (``pause``/``resume``, weight updates from disk or a state dict,
-    ``prompt_logprobs`` for scoring). Call it from one event loop at a time. The engine owns
-    ``model`` (eval mode, new weights loaded into it): give it its own copy.
+    SGLang's server (``pause``/``resume``, weight updates: :class:`WeightUpdates`, LoRA adapters:
+    :class:`LoraServing`, ``prompt_logprobs`` for scoring). Call it from one event loop at a
+    time. The engine owns ``model`` (eval mode, new weights loaded into it): give it its own copy.
 
     Args:
         model: a transformers causal LM whose KV cache layers are full attention.
@@ -111,6 +113,7 @@ class LocalEngine:
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
         self.model, self._loader = model.eval(), model_io.WeightLoader(model)
+        self._adapters = AdapterSet(model)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
@@ -242,12 +245,14 @@ class LocalEngine:
         session_id: str | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        lora_path: str | None = None,
     ) -> GenerateOutput:
         """Continue ``input_ids``; returns the new tokens, their log-probs and versions.
 
         ``session_id`` is accepted for protocol compatibility (there is one engine).
         ``return_routed_experts``: fill ``routed_experts`` (see :attr:`return_routed_experts`)
         from row ``routed_experts_start_len`` on (SGLang's; the rows before it are -1).
+        ``lora_path``: a loaded adapter's name (SGLang's); ``None`` or the active one is served.
 
         Raises:
             ServerError: with status 400 for an empty or over-long prompt, an out-of-vocabulary
@@ -258,6 +263,7 @@ class LocalEngine:
         rid = rid if rid is not None else uuid.uuid4().hex
         routed = routed_experts_start_len if return_routed_experts else -1
         self.check_request(input_ids, params, rid, routed=routed)
+        self.check_lora(lora_path, rid)
         warn_if_truncating(params)
         generator = None
         if params.seed is not None:
@@ -289,58 +295,6 @@ class LocalEngine:
             prefix: match every id starting with ``rid`` (as SGLang's scheduler does).
         """
         self._batcher.abort_matching(rid, prefix=prefix)
-
-    async def update_weights_from_disk(
-        self, model_path: str, weight_version: int | None = None
-    ) -> None:
-        """Load HF safetensors weights from ``model_path``; bump the version if one is given.
-
-        Raises:
-            ServerError: the directory is missing or its weights do not fit the model.
-        """
-        try:
-            state_dict = await in_worker(model_io.read_safetensors_dir, model_path)
-        except Exception as exc:  # missing dir, unreadable or corrupt files: the caller's input
-            raise ServerError(f"weight update failed: {exc}", endpoint="local", status=400) from exc
-        await self.update_weights_from_state_dict(state_dict, weight_version)
-
-    async def update_weights_from_state_dict(
-        self, state_dict: dict[str, torch.Tensor], weight_version: int | None = None
-    ) -> None:
-        """Copy ``state_dict`` into the model between steps; bump the version if one is given.
-
-        Paused: applies at once and open requests continue on the new weights after ``resume``.
-        Not paused: waits until the running batch has finished (new requests wait meanwhile).
-
-        Raises:
-            ServerError: names or shapes do not match the model (nothing is changed then).
-        """
-        self._ensure_started()
-        async with self._update_lock:
-            try:
-                await self._drain()
-                async with self._lock:  # a repeated layout is two multi-tensor copies: no thread
-                    self._batcher.deliver()
-                    if repeat := self._loader.repeats(state_dict):
-                        self._load(state_dict, repeat)
-                    else:
-                        await in_worker(self._load, state_dict, repeat)
-                    self._batcher.weights_changed()
-                    if weight_version is not None:
-                        self._version = int(weight_version)
-            except ValueError as exc:
-                raise ServerError(
-                    f"weight update failed: {exc}", endpoint="local", status=400
-                ) from exc
-            finally:
-                self._draining = False
-                self._wake.set()
-        logger.info("engine weights updated; weight_version=%d", self._version)
-
-    def _load(self, state_dict: dict[str, torch.Tensor], repeat: bool | None = None) -> None:
-        self._loader.load(state_dict, repeat)  # in place, device to device
-        if self._paged is not None:
-            self._paged.refresh_weights()
 
     async def health(self) -> bool:
         """Whether the engine can generate (open and its scheduler alive)."""

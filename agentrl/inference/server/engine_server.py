@@ -19,7 +19,9 @@ so that clients can shape ``meta_info.routed_experts``.
 
 Who may call what (keys, ``Host``, ``Origin``, JSON-only state changes) is
 :mod:`~agentrl.inference.server.guard`'s; which directories ``/update_weights_from_disk`` reads
-is :mod:`~agentrl.inference.server.weight_files`'s.
+is :mod:`~agentrl.inference.server.weight_files`'s; LoRA adapters (``/load_lora_adapter``,
+``/unload_lora_adapter``, ``/generate``'s ``lora_path``) are
+:mod:`~agentrl.inference.server.lora_routes`'s.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from agentrl.inference.engine import PAUSE_MODES, LocalEngine, PauseMode
 from agentrl.inference.routing_records import to_wire
 from agentrl.inference.server.guard import Guard, allowed_hosts, warn_if_open
 from agentrl.inference.server.info_routes import InfoRoutes
+from agentrl.inference.server.lora_routes import LoraRoutes
 from agentrl.inference.server.requests import GenerateItem, json_body, parse_generate
 from agentrl.inference.server.weight_files import (
     WeightPathError,
@@ -84,7 +87,7 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-class EngineServer(InfoRoutes):
+class EngineServer(InfoRoutes, LoraRoutes):
     """The aiohttp application around one :class:`LocalEngine`.
 
     Args:
@@ -146,6 +149,8 @@ class EngineServer(InfoRoutes):
                 post("/pause_generation", self.pause_generation),
                 post("/continue_generation", self.continue_generation),
                 post("/update_weights_from_disk", self.update_weights_from_disk),
+                post("/load_lora_adapter", self.load_lora_adapter),
+                post("/unload_lora_adapter", self.unload_lora_adapter),
                 get("/flush_cache", self.flush_cache),
                 post("/flush_cache", self.flush_cache),
                 get("/health", self.health),
@@ -177,6 +182,7 @@ class EngineServer(InfoRoutes):
                 raise RequestError("Duplicate request ID detected: rids repeat within the batch")
             for item in items:  # reject before anything of this call starts running
                 self.engine.check_request(item.input_ids, item.params, item.rid, routed=item.routed)
+                self.engine.check_lora(item.lora_path, item.rid)
         except ContractError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         except (RequestError, ServerError) as exc:
@@ -208,6 +214,7 @@ class EngineServer(InfoRoutes):
             rid=item.rid,
             return_routed_experts=item.return_routed_experts,
             routed_experts_start_len=item.routed_experts_start_len,
+            lora_path=item.lora_path,
         )
         return self._response(item, out, prompt_entries)
 

@@ -84,6 +84,7 @@ class InfoRoutes:
                 "disaggregation_mode": "null",
                 "internal_states": [{"paused": self.engine.paused}],
                 "enable_return_routed_experts": self.engine.return_routed_experts,
+                "loaded_lora_adapters": self.engine.loaded_lora_adapters,
                 "startup_time": self._startup_time,
                 "version": f"agentrl-{__version__}",
                 "frontend": "agentrl",

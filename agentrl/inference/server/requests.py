@@ -39,7 +39,7 @@ MAX_CHARS_PER_TOKEN = 8
 (English runs ~4 characters a token); send ``input_ids`` for anything else."""
 
 UNSUPPORTED_TOP_LEVEL = (
-    "image_data", "video_data", "audio_data", "lora_path", "session_params",
+    "image_data", "video_data", "audio_data", "session_params",
     "custom_logit_processor", "token_ids_logprob", "input_embeds",
 )  # fmt: skip
 
@@ -58,6 +58,7 @@ class GenerateItem:
     return_prompt_token_ids: bool
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora_path: str | None = None  # a loaded adapter's name (SGLang's); None: what is served
 
     @property
     def routed(self) -> int:
@@ -222,6 +223,8 @@ async def parse_generate(
             f"routed_experts_start_len={routed_start} is lower than 0. "
             "Please use a non-negative routed_experts_start_len."
         )
+    loras = per_prompt(body, "lora_path", None, n, batch)  # a name, or a list: one per prompt
+    expect([name for name in loras if name is not None], str, "a string")
     prompts = await tokenize(tokenizer, sources) if is_text else sources
     if not prompts or any(len(p) == 0 for p in prompts):
         raise RequestError("input_ids: expected a non-empty prompt, got an empty one")
@@ -232,9 +235,10 @@ async def parse_generate(
                 f"logprob_start_len ({starts[i]}) must be -1 or in [0, {len(prompt)}]"
             )
         params, options = sampling[i]
+        text, prompt_ids, routed = map(bool, flags)
         item = GenerateItem(
-            rids[i], prompt, params, options, logprob[i], starts[i], *map(bool, flags)
+            rids[i], prompt, params, options, logprob[i], starts[i], text, prompt_ids, routed
         )
-        item.routed_experts_start_len = routed_start
+        item.routed_experts_start_len, item.lora_path = routed_start, loras[i]
         items.append(item)
     return items, batch

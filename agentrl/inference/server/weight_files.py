@@ -1,4 +1,4 @@
-"""Which weight files ``/update_weights_from_disk`` may read, and reading them with a deadline.
+"""Which weight files ``/update_weights_from_disk`` and ``/load_lora_adapter`` may read.
 
 The request names a directory; the server reads only its ``*.safetensors`` files, and only when
 the directory lies under an allowed one (``agentrl serve --weights-dir``, repeatable; by
@@ -82,6 +82,46 @@ def checked_files(model_path: str, allowed: list[Path], max_bytes: int) -> list[
             f"({max_bytes} bytes)"
         )
     return files
+
+
+def checked_adapter_dir(lora_path: str, allowed: list[Path]) -> Path:
+    """``lora_path`` resolved, once it passes the checks (the engine bounds the sizes).
+
+    A directory under an allowed one whose peft files (``adapter_config.json``,
+    ``adapter_model.safetensors``) are regular files there too.
+
+    Raises:
+        WeightPathError: refused, saying why.
+    """
+    if not allowed:
+        raise WeightPathError(
+            "load_lora_adapter is off: this server allows no weight directory "
+            "(start it with --weights-dir DIR)"
+        )
+    folder = Path(lora_path).expanduser()
+    if not folder.is_absolute():
+        raise WeightPathError(f"lora_path: expected an absolute path, got {lora_path!r}")
+    real = folder.resolve()
+    if not _under(real, allowed):
+        listed = ", ".join(str(d) for d in allowed)
+        raise WeightPathError(f"lora_path: {lora_path!r} is not under an allowed directory "
+                              f"({listed}; add one with --weights-dir)")  # fmt: skip
+    if not real.is_dir():
+        raise WeightPathError(f"lora_path: expected a peft adapter directory, got {lora_path!r}")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        target = (real / name).resolve()
+        try:
+            info = os.stat(target)
+        except OSError:
+            raise WeightPathError(
+                f"lora_path: {lora_path!r} holds no {name} (a peft adapter directory has "
+                "adapter_config.json and adapter_model.safetensors)"
+            ) from None
+        if not stat.S_ISREG(info.st_mode) or not _under(target, allowed):
+            raise WeightPathError(
+                f"lora_path: {name} is not a regular file under an allowed directory"
+            )
+    return real
 
 
 def max_weight_bytes(model: torch.nn.Module) -> int:
