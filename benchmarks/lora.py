@@ -124,10 +124,14 @@ async def push_http(
     return harness.median(times)
 
 
-def arm(args: argparse.Namespace, base: Path, work: Path, lora: bool) -> dict[str, Any]:
+def arm(args: argparse.Namespace, base: Path, work: Path, url: str, lora: bool) -> dict[str, Any]:
+    """One arm's figures; ``url``: the ``agentrl serve`` both arms push to (its base first)."""
     device = torch.device(args.device)
+    harness.free(device)  # the other arm's learner and engine
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model, tok = load(base, device)
-    engine_model = copy.deepcopy(model)  # the engine serves the base (before the adapters)
+    # the engine serves the base (copied before the learner adds adapters), in its own dtype
+    engine_model = copy.deepcopy(model).to(dtype)
     config = LearnerConfig(
         lr=1e-5 if lora else 1e-6,
         dtype=args.dtype,
@@ -149,20 +153,12 @@ def arm(args: argparse.Namespace, base: Path, work: Path, lora: bool) -> dict[st
         "optimizer_state_bytes": optimizer_bytes(learner),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     engine = LocalEngine(engine_model, tok, device=device, dtype=dtype, kv_cache_gib=1.0)
     out["push_in_process_s"] = asyncio.run(push_in_process(learner, engine, lora, args.repeats))
     del engine, engine_model
     harness.free(device)
     mode = "lora" if lora else "full"
-    served = ["--model", str(base), "--device", args.device, "--weights-dir", str(work)]
-    proc, url = start_server(served, work / f"serve-{mode}.log")
-    try:
-        out["push_http_s"] = asyncio.run(
-            push_http(learner, tok, url, work / mode, lora, args.repeats)
-        )
-    finally:
-        stop_server(proc)
+    out["push_http_s"] = asyncio.run(push_http(learner, tok, url, work / mode, lora, args.repeats))
     return out
 
 
@@ -213,7 +209,7 @@ def main() -> None:
     if args.dry_run:
         args.model, args.device, args.num_seqs, args.prompt_len = "tiny", "cpu", 4, 8
         args.response_min, args.response_max, args.micro_batch_tokens = 8, 24, 1024
-        args.warmup, args.repeats = 0, 1
+        args.warmup, args.repeats = 1, 1
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory(prefix="lora_bench_") as tmp:
@@ -229,11 +225,16 @@ def main() -> None:
                 flush=True,
             )
 
-        arms = harness.side_by_side(
-            {"full": lambda: arm(args, base, work, False),
-             "lora": lambda: arm(args, base, work, True)},
-            report,
-        )  # fmt: skip
+        served = ["--model", str(base), "--device", args.device, "--weights-dir", str(work)]
+        proc, url = start_server(served, work / "serve.log")
+        try:
+            arms = harness.side_by_side(
+                {"full": lambda: arm(args, base, work, url, False),
+                 "lora": lambda: arm(args, base, work, url, True)},
+                report,
+            )  # fmt: skip
+        finally:
+            stop_server(proc)
         success = {}
         if args.steps:
             held_out(0, work, None)

@@ -22,6 +22,7 @@ from agentrl.errors import ServerError
 from agentrl.inference.base import SamplingParams
 from agentrl.inference.client.sglang_client import SGLangClient
 from agentrl.loop.assemble import assemble
+from agentrl.loop.placement import push_adapter
 from agentrl.loop.trainer import Trainer
 
 PROMPT = [1, 19, 37, 37, 27, 38]
@@ -63,6 +64,10 @@ class FakeSGLang:
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append((request.path, body))
+        name = body.get("lora_path")
+        if name is not None and name not in self.loaded:  # SGLang's refusal
+            why = f"The following requested LoRA adapters are not loaded: {name}"
+            return web.json_response({"error": {"message": why}}, status=400)
         if self.hold:
             await self.release.wait()
         meta = {
@@ -153,6 +158,54 @@ async def test_old_adapter_unloaded_once_its_request_finishes() -> None:
     assert server.paths().index("/unload_lora_adapter") > server.paths().index("/generate", 2)
 
 
+async def test_a_restarted_endpoint_gets_the_adapter_again() -> None:
+    server = await FakeSGLang().start()
+    try:
+        async with SGLangClient(server.url, stall_s=None) as client:
+            await client.load_lora_adapter("run-v1", "/a/v1")
+            await client.use_lora_adapter("run-v1", 1)
+            server.loaded.clear()  # a restart: the base model only
+            out = await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+            await client.use_lora_adapter("run-v2", 2)  # (not loaded: the server refuses)
+            with pytest.raises(ServerError, match="not loaded: run-v2"):
+                await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+    finally:
+        await server.close()
+    assert out.versions == [1, 1] and server.loaded == {}  # v1 unloaded as v2 came
+    assert [b for p, b in server.bodies if p == "/load_lora_adapter"] == [
+        {"lora_name": "run-v1", "lora_path": "/a/v1"}
+    ] * 2
+    assert [b.get("lora_path") for p, b in server.bodies if p == "/generate"] == [
+        "run-v1",
+        "run-v1",
+        "run-v2",
+    ]
+
+
+async def test_push_replaces_an_adapter_left_by_a_resumed_run(tmp_path: Path) -> None:
+    from agentrl.learner import Learner, LearnerConfig
+    from agentrl.learner.config import LoraConfig
+    from agentrl.tiny import build_tiny
+
+    learner = Learner(build_tiny()[0], LearnerConfig(lora=LoraConfig(rank=2, alpha=4.0)))
+    run = tmp_path / "run"
+    for v in (0, 1, 2):  # older versions on disk, as a run before its resume left them
+        (run / "adapters" / f"v{v}").mkdir(parents=True)
+    server = await FakeSGLang().start()
+    server.loaded["run-v3"] = "stale"  # loaded by the run before it was resumed
+    try:
+        async with SGLangClient(server.url, stall_s=None) as client:
+            times = await push_adapter(learner, client, 3, run, remote=True)
+            assert client.lora_adapter == ("run-v3", 3)
+    finally:
+        await server.close()
+    path = str((run / "adapters" / "v3").resolve())
+    assert server.loaded == {"run-v3": path}
+    assert sorted(d.name for d in (run / "adapters").iterdir()) == ["v2", "v3"]
+    assert (run / "adapters/v3/adapter_model.safetensors").is_file()
+    assert times["time/sync_s"] >= times["time/weight_write_s"] > 0
+
+
 def lora_run(run_dir: Path, **inference: Any) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir),
@@ -202,8 +255,9 @@ def test_train_pushes_only_adapters_to_the_embedded_engine(tmp_path: Path) -> No
     for engine_logprobs, learner_side in served:
         assert engine_logprobs == pytest.approx(learner_side, abs=1e-5)
     assert served[0][0] != pytest.approx(served[-1][0], abs=1e-3)  # the adapters moved it
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert all(m["time/sync_s"] > 0 for m in metrics if "time/sync_s" in m)
+    lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
+    syncs = [r["time/sync_s"] for r in map(json.loads, lines) if "time/sync_s" in r]
+    assert len(syncs) == 2 and all(s > 0 for s in syncs)  # the push is timed as before
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +288,31 @@ def test_train_pushes_adapters_to_agentrl_serve(tmp_path: Path, lora_server: Any
     assert list(info["loaded_lora_adapters"]) == ["run-v2"]  # v0 and v1 were unloaded
     assert out.versions == [2] * len(out.output_ids)
     assert out.logprobs == pytest.approx(learner_logprobs(trainer, out.output_ids), abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_adapter_push_on_a_card_serves_the_learner(tmp_path: Path) -> None:
+    """The paged engine on a card, after each in-process adapter push (bf16-level tolerance)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA card")
+    tree = lora_run(tmp_path / "run")
+    tree["model"] = {"device": "cuda"}
+    parts = assemble(load_config(tree))
+    engine = parts.client
+    trainer = Trainer(parts.config, parts=parts)
+    gaps: list[float] = []
+    real = engine.load_lora_adapter_tensors
+
+    async def check(name: str, adapter: dict[str, torch.Tensor], scaling: float, **kw: Any) -> None:
+        assert all(t.device.type == "cuda" for t in adapter.values())  # card to card
+        await real(name, adapter, scaling, **kw)
+        out = await engine.generate(PROMPT, SamplingParams(max_new_tokens=4, seed=3))
+        ids = torch.tensor([PROMPT + out.output_ids], device="cuda")
+        with torch.no_grad():
+            logits = trainer.learner.model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
+        want = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT) :, None])[:, 0]
+        gaps.append(float((torch.tensor(out.logprobs, device="cuda") - want).abs().max()))
+
+    engine.load_lora_adapter_tensors = check
+    asyncio.run(trainer.run())
+    assert len(gaps) == 3 and max(gaps) < 2e-2, gaps

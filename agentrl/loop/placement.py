@@ -14,6 +14,7 @@ on its own CUDA stream, so its kernels and the engine's (on the default stream) 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from agentrl.config import TrainConfig
-from agentrl.errors import ConfigError
+from agentrl.errors import ConfigError, ServerError
 from agentrl.kernels.transfer import device_context
 
 log = logging.getLogger(__name__)
@@ -343,7 +344,14 @@ async def push_adapter(
         out["time/weight_write_s"] = time.perf_counter() - t
         if is_main:
             name = _fresh(name, client.lora_names)
-            await client.load_lora_adapter(name, str(path.resolve()))
+            try:
+                await client.load_lora_adapter(name, str(path.resolve()))
+            except ServerError as exc:  # left by this run before a resume: replace it
+                if "already loaded" not in exc.message:
+                    raise
+                with contextlib.suppress(ServerError):  # (endpoints without it refuse)
+                    await client.unload_lora_adapter(name)
+                await client.load_lora_adapter(name, str(path.resolve()))
             await client.use_lora_adapter(name, version)
             _drop_old_adapters(root, version)
         if barrier is not None:

@@ -8,7 +8,8 @@ the adapter that serves it. The trainer pushes each version as a new adapter:
 :meth:`AdapterPlane.use_lora_adapter`, from which on every ``/generate`` carries that name and
 its output is labelled with that version (the server's own label is the base model's). The
 previous adapter stays loaded while requests sent with it are in flight (counted per adapter)
-and is unloaded when the last of them finishes.
+and is unloaded when the last of them finishes. An endpoint that answers a request with "not
+loaded" (a restarted server) gets the active adapter loaded again, and the request once more.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class AdapterState:
     active: tuple[str, int] | None = None  # (name, weight version); None: the base model
     in_flight: dict[str, int] = field(default_factory=dict)
     retired: set[str] = field(default_factory=set)  # to unload once no request uses them
+    paths: dict[str, str] = field(default_factory=dict)  # name -> path, to reload a restart
 
 
 def _check_lora_response(raw: bytes, path: str, name: str, url: str) -> dict[str, Any]:
@@ -80,15 +82,17 @@ class AdapterPlane:
         active = self._lora.active
         return self._lora.retired | ({active[0]} if active else set())
 
-    async def _lora_call(self, path: str, name: str, payload: dict[str, Any]) -> None:
-        """``path`` on every endpoint in rotation, each answer checked.
+    async def _lora_call(
+        self, path: str, name: str, payload: dict[str, Any], eps: list[Endpoint] | None = None
+    ) -> None:
+        """``path`` on ``eps`` (default: every endpoint in rotation), each answer checked.
 
         A refusal comes back as HTTP 400 with SGLang's body; it is re-read here so that the
         error names the adapter and carries ``error_message``.
         """
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
             raise ValueError(f"lora_name: expected 1-{MAX_NAME} characters, got {name!r:.80}")
-        eps = [ep for ep in self._endpoints if ep.healthy]
+        eps = [ep for ep in self._endpoints if ep.healthy] if eps is None else eps
         if not eps:
             raise ServerError(f"{path} {name!r}: no healthy endpoint", endpoint="client")
 
@@ -124,6 +128,7 @@ class AdapterPlane:
             ServerError: an endpoint refused it (its ``error_message``), or none answered.
         """
         await self._lora_call("/load_lora_adapter", name, {"lora_name": name, "lora_path": path})
+        self._lora.paths[name] = path
 
     async def unload_lora_adapter(self, name: str) -> None:
         """``/unload_lora_adapter`` on every endpoint.
@@ -151,10 +156,19 @@ class AdapterPlane:
     async def _unload_retired(self, name: str) -> None:
         """Unload a retired adapter (a failure is logged: the server keeps a stale adapter)."""
         self._lora.retired.discard(name)
+        self._lora.paths.pop(name, None)
         try:
             await self.unload_lora_adapter(name)
         except (ServerError, ValueError) as exc:
             logger.warning("unloading the old adapter %r: %s", name, exc)
+
+    async def _reload(self, name: str, path: str, url: str) -> None:
+        """Load adapter ``name`` again on the endpoint at ``url`` only."""
+        logger.info("endpoint %s lost adapter %r: loading it again", url, name)
+        eps = [ep for ep in self._endpoints if ep.url == url]
+        await self._lora_call(
+            "/load_lora_adapter", name, {"lora_name": name, "lora_path": path}, eps
+        )
 
     async def _adapted(
         self, body: dict[str, Any], send: Callable[[], Awaitable[GenerateOutput]]
@@ -171,7 +185,14 @@ class AdapterPlane:
         counts = self._lora.in_flight
         counts[name] = counts.get(name, 0) + 1
         try:
-            out = await send()
+            try:
+                out = await send()
+            except ServerError as exc:  # a restarted endpoint lost it: load it there, once
+                path = self._lora.paths.get(name)
+                if exc.status != 400 or "not loaded" not in exc.message or path is None:
+                    raise
+                await self._reload(name, path, exc.endpoint)
+                out = await send()
         finally:
             counts[name] -= 1
             if not counts[name]:
