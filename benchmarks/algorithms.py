@@ -19,8 +19,9 @@ order ``2 k3 = E[(r - 1)^2]``, which is ``Var(r)`` as ``E[r] = 1`` under the sam
 Distillation: the teacher is a trained ``cpu-tiny`` run's export (the GSPO-token arm's first
 seed, or a run of its own, or ``--teacher DIR``); the ``cpu-tiny-distill`` preset's student (the
 teacher's shape, from its own cold start) is trained from the same start and seeds with
-``teacher.mode=distill`` (the preset's GRPO token-level loss) and with RL alone (GSPO-token, no
-teacher). Its figure: RL seconds to come within 10 points of the teacher's held-out success.
+``teacher.mode=distill`` (the preset's GRPO token-level loss; ``--distill-mode rl+distill``: the
+KL term added to the RL advantage) and with RL alone (GSPO-token, no teacher). Its figure: RL
+seconds to come within 10 points of the teacher's held-out success.
 
 Runs go ``--parallel`` at a time (torch threads 1 each), so arms share the machine alike.
 """
@@ -130,6 +131,11 @@ def time_to(evals: list[tuple[int, float, float]], level: float) -> float | None
     return next((round(t, 1) for _, s, t in evals if s >= level - 1e-9), None)
 
 
+def steps_to(evals: list[tuple[int, float, float]], level: float) -> int | None:
+    """RL steps to the first evaluation at or above ``level`` (``None``: never)."""
+    return next((step for step, s, _ in evals if s >= level - 1e-9), None)
+
+
 def spread(values: list[float | None], digits: int = 4) -> dict[str, Any] | None:
     """Median and min-max over seeds; a ``None`` (never reached) counts as infinite."""
     known = [v for v in values if v is not None]
@@ -165,6 +171,7 @@ def summarise(runs: list[Run], level: float) -> dict[str, Any]:
                                    for r in ok]) for s in steps}  # fmt: skip
     times = [time_to(r["eval"], level) for r in ok]
     out["time_to_level_s"] = spread(times, 1)
+    out["steps_to_level"] = spread([steps_to(r["eval"], level) for r in ok], 0)
     out["reached_level"] = sum(t is not None for t in times)
     out["no_signal_steps"] = sum(r["no_signal_steps"] for r in ok)
     return out
@@ -304,10 +311,12 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], dict[str, Any]
     student = [*common, *(f"--cold_start.{k}" for k in (
         [f"steps={args.student_cold_start}", "target_success=0.3", "check_every=25"]
         if args.student_cold_start else []))]  # fmt: skip
+    if args.quick:  # the student has the teacher's shape and seed, and 2 RL steps may change
+        student.append("--cold_start.steps=20")  # nothing: start it elsewhere (a KL above 0)
     for s in args.seeds:
         runs.append(Run("distill", "distill", s, "cpu-tiny-distill",
-                        ["--teacher.mode=distill", *student], out / "distill" / f"distill-s{s}",
-                        needs_teacher=True))  # fmt: skip
+                        [f"--teacher.mode={args.distill_mode}", *student],
+                        out / "distill" / f"distill-s{s}", needs_teacher=True))  # fmt: skip
         runs.append(Run("distill", "rl", s, "cpu-tiny-distill",
                         ["--teacher.model=null", "--learner.loss=gspo_token", *student],
                         out / "distill" / f"rl-s{s}"))  # fmt: skip
@@ -329,6 +338,7 @@ def distill_report(runs: list[Run], teacher: dict[str, Any]) -> dict[str, Any] |
         group = [r for r in mine if r.arm == arm]
         out[arm] = summarise(group, target)
         out[arm]["time_to_target_s"] = out[arm].pop("time_to_level_s")
+        out[arm]["steps_to_target"] = out[arm].pop("steps_to_level", None)
         out[arm]["reached_target"] = out[arm].pop("reached_level", 0)
     med = {a: (out[a].get("time_to_target_s") or {}).get("median") for a in ("distill", "rl")}
     known = {a: v for a, v in med.items() if v is not None}
@@ -376,7 +386,8 @@ def print_tables(report: dict[str, Any], level: float) -> None:
             a = d[arm]
             print(f"{arm:>8}: success {_cell(a.get('success_start'))} -> "
                   f"{_cell(a.get('success_end'))}, RL s to target "
-                  f"{_cell(a.get('time_to_target_s'), '.0f')} ({a.get('reached_target', 0)}/"
+                  f"{_cell(a.get('time_to_target_s'), '.0f')}, steps "
+                  f"{_cell(a.get('steps_to_target'), '.0f')} ({a.get('reached_target', 0)}/"
                   f"{len(a['seeds'])} seeds)")  # fmt: skip
         print(f"  faster: {d['faster']}")
     elif d:
@@ -417,6 +428,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="SFT steps for both student arms (default 0: the preset's start)",
     )
+    ap.add_argument(
+        "--distill-mode",
+        default="distill",
+        choices=["distill", "rl+distill"],
+        help="teacher.mode of the distillation arm (rl+distill: the KL term added to RL's)",
+    )
     ap.add_argument("--no-distill", action="store_true", help="the four losses only")
     ap.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 2 arms, 2 steps, 8 eval tasks")
@@ -448,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     schedule(runs, args.parallel, out / "logs", teacher)
     report: dict[str, Any] = {"benchmark": "algorithms", "task": args.task, "seeds": args.seeds,
                               "level": args.level, "parallel": args.parallel,
+                              "distill_mode": args.distill_mode,
                               "quick": args.quick, "out": str(out)}  # fmt: skip
     report["arms"] = {arm: {"defaults": defaults[arm],
                             **summarise([r for r in runs if r.group == "arms" and r.arm == arm],

@@ -32,6 +32,7 @@ def test_spread_and_time_to_level() -> None:
     assert bench.time_to(evals, 0.8) == 60.1  # the first at or above, not the best
     assert bench.time_to(evals, 0.3) == 0.0  # already there at RL start
     assert bench.time_to(evals, 0.96) is None
+    assert bench.steps_to(evals, 0.8) == 20 and bench.steps_to(evals, 0.96) is None
 
 
 def test_each_loss_keeps_its_own_clip_defaults() -> None:
@@ -56,6 +57,7 @@ def _args(*argv: str) -> argparse.Namespace:
         teacher=None,
         teacher_success=None,
         student_cold_start=0,
+        distill_mode="distill",
         no_distill=False,
     )
     for item in argv:

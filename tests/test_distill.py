@@ -203,3 +203,38 @@ def test_endpoint_teacher_scores_like_the_embedded_one(tiny_server) -> None:
     assert all(t.failed and t.error.startswith("TeacherError: teacher http://127.0.0.1:9")
                for t in group.trajectories) and scores == [[], [], []]  # fmt: skip
     assert token_batch([group], load_config(None), None) == ([], [], 0)
+
+
+def test_dense_advantages_keep_their_gradient_under_grpo_not_gspo_token() -> None:
+    # after one mini-batch step the policy is ~0.02 nats off the sampler on each token: GSPO-token's
+    # sequence ratio is then past its 3e-4/4e-4 clip, which zeroes every token whose per-token
+    # (reverse-KL) advantage pushes further that way, about half; GRPO's token ratio keeps all
+    from agentrl.learner.losses import grpo_loss, gspo_token_loss
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(64, 6, generator=g, dtype=torch.float64) * 3
+    shift = torch.randn(64, 6, generator=g, dtype=torch.float64) * 0.02
+    adv = torch.randn(64, 6, generator=g, dtype=torch.float64)
+    mask = torch.ones(64, 6)
+    zeroed = {}
+    for name, fn in (("gspo_token", gspo_token_loss), ("grpo", grpo_loss)):
+        lp = (old + shift).requires_grad_()
+        loss, _ = fn(lp, old, adv, mask)
+        loss.backward()
+        assert lp.grad is not None
+        zeroed[name] = float((lp.grad == 0).double().mean())
+    assert 0.35 < zeroed["gspo_token"] < 0.65 and zeroed["grpo"] == 0.0, zeroed
+
+
+def test_distill_preset_student_is_the_teachers_shape_from_its_cold_start() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    from math_agent import PRESETS
+
+    teacher = load_config(PRESETS["cpu-tiny"])
+    student = load_config(PRESETS["cpu-tiny-distill"], ["teacher.model=tiny"])
+    # RL alone on this student is the teacher's own run from the same start: it can reach it
+    assert student.model == teacher.model and student.cold_start == teacher.cold_start
+    assert student.env == teacher.env and student.learner.loss == "grpo"
+    assert student.teacher.mode == "distill" and student.rollout.temperature == 1.0
