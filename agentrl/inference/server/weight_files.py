@@ -39,6 +39,26 @@ def _under(path: Path, roots: list[Path]) -> bool:
     return any(path == root or path.is_relative_to(root) for root in roots)
 
 
+def _allowed_dir(route: str, field: str, path: str, allowed: list[Path], kind: str) -> Path:
+    """``path`` resolved: absolute, a directory, under an allowed one (else one line why)."""
+    if not allowed:
+        raise WeightPathError(
+            f"{route} is off: this server allows no weight directory "
+            "(start it with --weights-dir DIR)"
+        )
+    folder = Path(path).expanduser()
+    if not folder.is_absolute():
+        raise WeightPathError(f"{field}: expected an absolute path, got {path!r}")
+    real = folder.resolve()
+    if not _under(real, allowed):
+        listed = ", ".join(str(d) for d in allowed)
+        raise WeightPathError(f"{field}: {path!r} is not under an allowed directory "
+                              f"({listed}; add one with --weights-dir)")  # fmt: skip
+    if not real.is_dir():
+        raise WeightPathError(f"{field}: expected {kind}, got {path!r}")
+    return real
+
+
 def checked_files(model_path: str, allowed: list[Path], max_bytes: int) -> list[Path]:
     """The safetensors files of ``model_path`` once every check has passed.
 
@@ -46,21 +66,8 @@ def checked_files(model_path: str, allowed: list[Path], max_bytes: int) -> list[
         WeightPathError: outside the allowed directories, not a directory, no safetensors, a
             file that is not regular or lies outside them, or more than ``max_bytes`` in all.
     """
-    if not allowed:
-        raise WeightPathError(
-            "update_weights_from_disk is off: this server allows no weight directory "
-            "(start it with --weights-dir DIR)"
-        )
-    folder = Path(model_path).expanduser()
-    if not folder.is_absolute():
-        raise WeightPathError(f"model_path: expected an absolute path, got {model_path!r}")
-    real = folder.resolve()
-    if not _under(real, allowed):
-        listed = ", ".join(str(d) for d in allowed)
-        raise WeightPathError(f"model_path: {model_path!r} is not under an allowed directory "
-                              f"({listed}; add one with --weights-dir)")  # fmt: skip
-    if not real.is_dir():
-        raise WeightPathError(f"model_path: expected a local model directory, got {model_path!r}")
+    real = _allowed_dir("update_weights_from_disk", "model_path", model_path, allowed,
+                        "a local model directory")  # fmt: skip
     files, total = [], 0
     for entry in sorted(real.glob("*.safetensors")):
         target = entry.resolve()
@@ -93,21 +100,8 @@ def checked_adapter_dir(lora_path: str, allowed: list[Path]) -> Path:
     Raises:
         WeightPathError: refused, saying why.
     """
-    if not allowed:
-        raise WeightPathError(
-            "load_lora_adapter is off: this server allows no weight directory "
-            "(start it with --weights-dir DIR)"
-        )
-    folder = Path(lora_path).expanduser()
-    if not folder.is_absolute():
-        raise WeightPathError(f"lora_path: expected an absolute path, got {lora_path!r}")
-    real = folder.resolve()
-    if not _under(real, allowed):
-        listed = ", ".join(str(d) for d in allowed)
-        raise WeightPathError(f"lora_path: {lora_path!r} is not under an allowed directory "
-                              f"({listed}; add one with --weights-dir)")  # fmt: skip
-    if not real.is_dir():
-        raise WeightPathError(f"lora_path: expected a peft adapter directory, got {lora_path!r}")
+    real = _allowed_dir("load_lora_adapter", "lora_path", lora_path, allowed,
+                        "a peft adapter directory")  # fmt: skip
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         target = (real / name).resolve()
         try:
