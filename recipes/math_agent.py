@@ -58,34 +58,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "micro_batch_tokens": 1024},
         "train": {"steps": 80, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 540},
     },
-    # On-policy distillation on CPU: cpu-tiny's trained model teaches a student of its own shape
-    # from its own cold start (~0.33 held-out success, where cpu-tiny's RL starts); the per-token
-    # reverse KL to the teacher is the whole advantage (teacher.mode=distill). A student half as
-    # wide and 2 layers deep stayed near 0.38 in 80 steps of RL alone and of distillation (its
-    # capacity; --model.tiny='{hidden_size: 64, ...}' shrinks it). GRPO's token ratio, not
-    # GSPO-token's sequence ratio: a dense per-token advantage of either sign met GSPO-token's
-    # 3e-4/4e-4 clip on ~50% of tokens, ~90% of sequences. Train the teacher, then distil from it:
-    #   python recipes/math_agent.py --preset cpu-tiny --run_dir=runs/math-teacher
-    #   python recipes/math_agent.py --preset cpu-tiny-distill
-    # (another teacher: --teacher.model=DIR, or a served one: --teacher.endpoint=URL)
-    "cpu-tiny-distill": {
-        "name": "math-cpu-tiny-distill",
-        "env": {
-            "id": "math-v0",
-            "kwargs": {"prompt_template": "{question}=", "extract": "last_number"},
-            "task_kwargs": {"source": "addition"},
-            "num_train_tasks": 4096,
-            "num_eval_tasks": 200,
-        },
-        "rollout": {"group_size": 4, "max_turns": 1, "max_new_tokens": 6,
-                    "max_total_tokens": 64, "temperature": 1.0},
-        "cold_start": {"steps": 600, "lr": 1e-3, "batch_size": 64, "target_success": 0.3,
-                       "check_every": 25},
-        "learner": {"lr": 1e-4, "num_minibatches": 4, "loss": "grpo",
-                    "micro_batch_tokens": 1024},
-        "teacher": {"model": "runs/math-teacher/export", "mode": "distill", "kl_coef": 1.0},
-        "train": {"steps": 80, "tasks_per_step": 32, "eval_every": 10, "max_wall_s": 540},
-    },
     # One GPU, no download: a 25M-parameter Qwen3-architecture model built from config learns
     # three-digit addition (carries across three places; harder than the CPU demo). Policy,
     # learner and embedded engine share the card (model.device=auto). float32 throughout: at
@@ -177,6 +149,24 @@ PRESETS: dict[str, dict[str, Any]] = {
 # push moves only the adapters to the engine. Make the base first (~3 minutes):
 #   python recipes/math_agent.py --preset cpu-tiny --run_dir=runs/math-base --train.steps=0
 # LoRA wants ~10x the full fine-tuning learning rate (cpu-tiny's RL: 1e-4).
+# On-policy distillation on CPU: cpu-tiny's trained model teaches a student of its own shape
+# from its own cold start (~0.33 held-out success, where cpu-tiny's RL starts); the per-token
+# reverse KL to the teacher is the whole advantage (teacher.mode=distill). A student half as
+# wide and 2 layers deep stayed near 0.38 in 80 steps of RL alone and of distillation (its
+# capacity; --model.tiny='{hidden_size: 64, ...}' shrinks it). GRPO's token ratio, not
+# GSPO-token's sequence ratio: a dense per-token advantage of either sign met GSPO-token's
+# 3e-4/4e-4 clip on ~50% of tokens, ~90% of sequences. Train the teacher, then distil from it:
+#   python recipes/math_agent.py --preset cpu-tiny --run_dir=runs/math-teacher
+#   python recipes/math_agent.py --preset cpu-tiny-distill
+# (another teacher: --teacher.model=DIR, or a served one: --teacher.endpoint=URL)
+PRESETS["cpu-tiny-distill"] = copy.deepcopy(PRESETS["cpu-tiny"])
+PRESETS["cpu-tiny-distill"]["name"] = "math-cpu-tiny-distill"
+PRESETS["cpu-tiny-distill"]["rollout"]["group_size"] = 4
+PRESETS["cpu-tiny-distill"]["learner"]["loss"] = "grpo"
+PRESETS["cpu-tiny-distill"]["teacher"] = {
+    "model": "runs/math-teacher/export", "mode": "distill", "kl_coef": 1.0
+}
+
 PRESETS["cpu-tiny-lora"] = copy.deepcopy(PRESETS["cpu-tiny"])
 PRESETS["cpu-tiny-lora"]["name"] = "math-cpu-tiny-lora"
 PRESETS["cpu-tiny-lora"]["model"] = {"path": "runs/math-base/export"}
