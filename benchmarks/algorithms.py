@@ -179,14 +179,9 @@ def summarise(runs: list[Run], level: float) -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     """CPU model, cores and load when the benchmark started."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from harness import cpu_model  # (lazily: harness imports torch)
+
+    cpu = cpu_model()
     return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
             "python": platform.python_version()}  # fmt: skip
 

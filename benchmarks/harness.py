@@ -38,14 +38,19 @@ def add_common_args(
     return parser
 
 
-def cpu_name() -> str:
-    """The CPU's model name and core count, from ``/proc/cpuinfo`` where there is one."""
+def cpu_model() -> str:
+    """The CPU's model name, from ``/proc/cpuinfo`` where there is one."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     except OSError:
         names = []
-    return f"{names[0] if names else platform.machine()} ({os.cpu_count()} cores)"
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def cpu_name() -> str:
+    """The CPU's model name and core count."""
+    return f"{cpu_model()} ({os.cpu_count()} cores)"
 
 
 def card(device: torch.device) -> str:

@@ -350,14 +350,9 @@ def machine(device: str) -> str:
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} ({platform.node()})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from harness import cpu_model  # (lazily: harness imports torch)
+
+    cpu = cpu_model()
     return f"CPU {cpu}, {torch.get_num_threads()} torch threads"
 
 
