@@ -27,6 +27,14 @@ from agentrl.loop.jobs import add_rollout, add_train, exit_code
 from agentrl.report.build import add_report_command
 
 
+def _gib(text: str) -> float:
+    """A positive size in GiB (argparse type)."""
+    value = float(text)
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"expected a size in GiB > 0, got {text}")
+    return value
+
+
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -56,6 +64,10 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--device", default=None, help="torch device (--model; default: cuda if present)"
     )
+    parser.add_argument(
+        "--kv-cache-gib", type=_gib, default=None,
+        help="KV cache size in GiB (--model; default: a share of the card's free memory)",
+    )  # fmt: skip
     parser.add_argument(
         "--weight-version", default="default", help="label of the initial weights (SGLang's)"
     )
@@ -146,6 +158,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             weight_version=parse_weight_version(args.weight_version),
             return_routed_experts=args.enable_return_routed_experts,
+            kv_cache_gib=args.kv_cache_gib,
         )
         model_path = args.model
     if Path(model_path).expanduser().is_dir():  # reloading the weights it started from

@@ -4,6 +4,7 @@ union, the idle gaps by stream and launching thread, a 10 ms timeline) and ``nvi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -249,7 +250,9 @@ def gap_detail(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class GpuBusy:
-    """``nvidia-smi``'s utilisation of card 0, sampled every 100 ms between start and stop."""
+    """``nvidia-smi``'s utilisation of this process's card 0 (the first of
+    ``CUDA_VISIBLE_DEVICES``: nvidia-smi counts every card of the host), sampled every 100 ms
+    between start and stop."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
@@ -258,8 +261,9 @@ class GpuBusy:
 
     def start(self) -> None:
         """Start sampling."""
+        card = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-               "-i", "0", "-lms", "100"]  # fmt: skip
+               "-i", card, "-lms", "100"]  # fmt: skip
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()

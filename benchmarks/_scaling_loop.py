@@ -4,7 +4,8 @@ One ``torchrun --nproc-per-node N`` launch per card count runs every measurement
 count in turn, in its processes (what the CLI runs: :func:`agentrl.loop.ranks.process_group`
 and a :class:`~agentrl.loop.trainer.Trainer` per measurement). Each measurement trains
 ``loop_warmup`` untimed steps (compiled graphs, the engine's CUDA graphs and caches built) and
-then ``loop_steps`` timed ones; figures are medians over the timed steps.
+then ``loop_steps`` timed ones; tokens/s is the timed steps' sampled tokens over their time,
+the split of a step is each part's median over them.
 
 * **workloads**: ``short``, gpu-small-like (its 25M-parameter shape, 64-token responses, 64
   tasks x 8 episodes a card) and ``gen``, generation-bound (a Qwen3-0.6B shape, 2,048-token
@@ -17,7 +18,11 @@ then ``loop_steps`` timed ones; figures are medians over the timed steps.
   the rollouts), ``gather_s`` (waiting at the all-gather of the groups: the slowest rank's
   generation shows here on the others), ``update_s`` (the learner step, its FSDP collectives
   included), ``push_s`` (the weight push), ``wait_s`` (the other collectives: broadcasts and
-  barriers) and ``other_s`` (the rest: advantages, records, logs).
+  barriers) and ``other_s`` (the rest: advantages, records, logs);
+* **dedicated** (``--loop-dedicated``, on N >= 2 cards): the strong-scaling batch with the
+  learner on N/2 cards and ``inference.engine_gpus = N/2`` engines (``agentrl serve``, one a
+  card, weights over NCCL) on the others, against the colocated layout on all N:
+  ``loop_dedicated_vs_colocated_N`` (tokens/s of the dedicated layout over colocated ``strong``).
 """
 
 from __future__ import annotations
@@ -48,11 +53,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loop-workloads", nargs="+", choices=["short", "gen"],
                     default=["short", "gen"])  # fmt: skip
     ap.add_argument("--loop-warmup", type=int, default=3, help="untimed steps first")
-    ap.add_argument("--loop-steps", type=int, default=10, help="timed steps (medians)")
+    ap.add_argument("--loop-steps", type=int, default=10, help="timed steps")
     ap.add_argument("--loop-short-tasks", type=int, default=64, help="short: tasks a step on 1")
     ap.add_argument("--loop-short-tokens", type=int, default=64, help="short: response tokens")
     ap.add_argument("--loop-gen-tasks", type=int, default=16, help="gen: tasks a step on 1")
     ap.add_argument("--loop-gen-tokens", type=int, default=2048, help="gen: response tokens")
+    ap.add_argument("--loop-max-staleness", type=int, default=0,
+                    help="train.max_staleness (0: the synchronous loop; 1: overlapped)")
+    ap.add_argument("--loop-dedicated", action=argparse.BooleanOptionalAction, default=False,
+                    help="also the dedicated-inference layout on N >= 2 cards (engine_gpus=N/2)")
     ap.add_argument("--loop-plan", default=None, help="(internal) the worker's measurements")
 
 
@@ -63,8 +72,13 @@ def dry_run(args: argparse.Namespace) -> None:
     args.loop_gen_tasks, args.loop_gen_tokens = 2, 12
 
 
-def plan(args: argparse.Namespace, gpus: int) -> list[dict[str, Any]]:
-    """The measurements of one card count: the base on 1; weak and strong scaling on more."""
+def plan(args: argparse.Namespace, gpus: int, dedicated: bool = False) -> list[dict[str, Any]]:
+    """The measurements of one card count: the base on 1; weak and strong scaling on more.
+    ``dedicated``: the launch of N/2 learner ranks whose engines take the other N/2 cards."""
+    if dedicated:
+        base = {"short": args.loop_short_tasks, "gen": args.loop_gen_tasks}
+        return [{"workload": w, "mode": "dedicated", "tasks": base[w], "cards": gpus,
+                 "engine_gpus": gpus // 2} for w in args.loop_workloads]  # fmt: skip
     out = []
     for w in args.loop_workloads:
         base = args.loop_short_tasks if w == "short" else args.loop_gen_tasks
@@ -74,16 +88,22 @@ def plan(args: argparse.Namespace, gpus: int) -> list[dict[str, Any]]:
 
 
 def loop_config(args: argparse.Namespace, m: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """One measurement's ``agentrl train`` config: synchronous loop, untrained policy."""
+    """One measurement's ``agentrl train`` config: the synchronous loop (``--loop-max-staleness
+    1``: overlapped), untrained policy."""
     cuda = args.device == "cuda"
     short = m["workload"] == "short"
     tiny = {} if not cuda else dict(GPU_SMALL_SHAPE) if short else {
         k: QWEN3_0_6B_SHAPE[k] for k in GPU_SMALL_SHAPE}  # fmt: skip
     tokens = args.loop_short_tokens if short else args.loop_gen_tokens
+    if tiny:  # the built model's context covers the prompt and the response (1,024 by default)
+        tiny["max_position_embeddings"] = max(1024, tokens + 128)
     dtype = "bfloat16" if cuda else "float32"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from scaling_gpu import body_levers
 
+    inference: dict[str, Any] = {"max_batch_size": 512 if short else 256, "kv_cache_frac": 0.3}
+    if m["mode"] == "dedicated":  # the engines own their cards: the colocated cache fraction
+        inference["engine_gpus"] = m["engine_gpus"]
     return {
         "run_dir": str(run_dir),
         "model": {"device": "auto" if cuda else "cpu", "tiny": tiny, "dtype": dtype},
@@ -93,10 +113,11 @@ def loop_config(args: argparse.Namespace, m: dict[str, Any], run_dir: Path) -> d
                     "max_total_tokens": tokens + 32, "ignore_eos": True, "concurrency": 4096},
         # answers without a number are penalised: the untrained policy's groups get a signal
         "advantages": {"shapers": [{"name": "format", "penalty": 1.0}]},
-        "inference": {"max_batch_size": 512 if short else 256, "kv_cache_frac": 0.3},
+        "inference": inference,
         "learner": {"lr": 1e-6, "num_minibatches": 1, **body_levers(args)},
         "train": {"steps": args.loop_warmup + args.loop_steps, "tasks_per_step": m["tasks"],
-                  "eval_every": 0, "checkpoint_every": 0, "max_staleness": 0, "export": False},
+                  "eval_every": 0, "checkpoint_every": 0, "export": False,
+                  "max_staleness": args.loop_max_staleness},
     }  # fmt: skip
 
 
@@ -104,27 +125,29 @@ def loop_config(args: argparse.Namespace, m: dict[str, Any], run_dir: Path) -> d
 
 
 class Probe:
-    """Each step's split on this rank, from the step's metrics and timed collectives."""
+    """Each step's split on this rank, from the step's metrics and timed collectives.
+
+    A step's period runs from the end of the previous step's ``after_step`` (its log, checkpoint
+    and broadcast) to the end of its own; both loops (synchronous and overlapped) call it once a
+    step."""
 
     def __init__(self, trainer: Any) -> None:
         self.steps: list[dict[str, float]] = []
         self.waits = {"gather": 0.0, "wait": 0.0}
-        self._start: float | None = None
+        self._start = time.perf_counter()
         ranks = trainer.ranks
         for name, kind in (("all_gather", "gather"), ("broadcast", "wait"), ("barrier", "wait")):
             setattr(ranks, name, self._timed(getattr(type(ranks), name).__get__(ranks), kind))
-        train_step = trainer.train_step
+        after = trainer.after_step
 
-        async def step() -> dict[str, float]:
+        async def after_step(metrics: dict[str, float], t_rl: float) -> bool:
+            done = await after(metrics, t_rl)
             now = time.perf_counter()
-            if self._start is not None:  # the previous step's period ends as this one starts
-                self._close(now)
+            self._close(now, metrics)
             self._start, self.waits = now, {"gather": 0.0, "wait": 0.0}
-            self._metrics = await train_step()
-            self._rollout_gather = self.waits["gather"]
-            return self._metrics
+            return bool(done)
 
-        trainer.train_step = step
+        trainer.after_step = after_step
 
     def _timed(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         def wrapped(*a: Any, **kw: Any) -> Any:
@@ -136,23 +159,17 @@ class Probe:
 
         return wrapped
 
-    def _close(self, now: float) -> None:
-        assert self._start is not None
-        m = self._metrics
+    def _close(self, now: float, m: dict[str, float]) -> None:
         period = now - self._start
-        gen = m["time/rollout_s"] - self._rollout_gather
-        parts = {"generate_s": gen, "gather_s": self.waits["gather"],
+        # the synchronous loop's rollout, or the overlapped loop's wait for a ready batch; the
+        # all-gather of the groups (this rank waiting for the slowest) is inside either
+        batch_s = m.get("time/rollout_s", m.get("time/wait_s", 0.0))
+        parts = {"generate_s": batch_s - self.waits["gather"], "gather_s": self.waits["gather"],
                  "update_s": m.get("time/train_s", 0.0), "push_s": m.get("time/sync_s", 0.0),
                  "wait_s": self.waits["wait"]}  # fmt: skip
         parts["other_s"] = period - sum(parts.values())
         tokens = m["rollout/episodes"] * m["rollout/response_len_mean"]
         self.steps.append({"step_s": period, "tokens": tokens, **parts})
-
-    def finish(self) -> None:
-        """Close the last step (the run's end: its final evaluation is not a step)."""
-        if self._start is not None:
-            self._close(time.perf_counter())
-            self._start = None
 
 
 def measure(args: argparse.Namespace, m: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -169,16 +186,6 @@ def measure(args: argparse.Namespace, m: dict[str, Any], work: Path) -> dict[str
     path.write_text(yaml.safe_dump(loop_config(args, m, run_dir)))
     trainer = Trainer(load_config(path), overwrite=True)
     probe = Probe(trainer)
-    # the end's evaluation (not a step) closes the last step's period at the final step
-    evaluate = trainer.evaluate
-
-    finish = probe.finish
-
-    async def end_eval() -> dict[str, float]:
-        finish()
-        return await evaluate()
-
-    setattr(trainer, "evaluate", end_eval)  # noqa: B010 - the probe wraps the instance
     asyncio.run(trainer.run())
     steps = probe.steps[args.loop_warmup :]  # the warm-up steps are not timed
     del trainer, probe  # the engine's and learner's memory goes with them
@@ -213,13 +220,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One measurement's figures: rank 0's median tokens/s and step, each rank's split."""
+    """One measurement's figures: rank 0's tokens/s over its timed steps, each rank's median
+    split of a step."""
     first = per_rank[0]
     steps = first["steps"]
-    tps = statistics.median(s["tokens"] / s["step_s"] for s in steps) if steps else 0.0
+    # the timed steps' tokens over their time (overlapped steps vary: a batch ready at once, then
+    # one that waits for its tail; a median of the steps' own ratios misleads)
+    period = sum(s["step_s"] for s in steps)
+    tps = sum(s["tokens"] for s in steps) / period if period > 0 else 0.0
     profile = [{k: round(statistics.median(s[k] for s in r["steps"]), 4) if r["steps"] else None
                 for k in ("step_s", *PARTS)} for r in per_rank]  # fmt: skip
-    return {"workload": first["workload"], "mode": first["mode"], "gpus": first["gpus"],
+    cards = first.get("cards", first["gpus"])  # dedicated: the learner ranks + the engines' cards
+    return {"workload": first["workload"], "mode": first["mode"], "gpus": cards,
             "tasks": first["tasks"], "timed_steps": len(steps), "tokens_per_s": round(tps, 1),
             "profile": profile}  # fmt: skip
 
@@ -237,6 +249,14 @@ def figures(results: list[dict[str, Any]]) -> dict[str, Any]:
                 for r in results
                 if r["gpus"] == n and r["mode"] == mode and base.get(r["workload"])
             }
+    for n in sorted({r["gpus"] for r in results if r["mode"] == "dedicated"}):
+        colocated = {r["workload"]: r["tokens_per_s"] for r in results
+                     if r["gpus"] == n and r["mode"] == "strong"}  # fmt: skip
+        out[f"loop_dedicated_vs_colocated_{n}"] = {
+            r["workload"]: round(r["tokens_per_s"] / colocated[r["workload"]], 4)
+            for r in results
+            if r["gpus"] == n and r["mode"] == "dedicated" and colocated.get(r["workload"])
+        }
     tps: dict[str, dict[str, float]] = {}
     prof: dict[str, dict[str, Any]] = {}
     for r in results:

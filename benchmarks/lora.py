@@ -226,6 +226,8 @@ def main() -> None:
             )
 
         served = ["--model", str(base), "--device", args.device, "--weights-dir", str(work)]
+        if device.type == "cuda":  # the learner shares the card: a small cache, not half of it
+            served += ["--kv-cache-gib", "2"]
         proc, url = start_server(served, work / "serve.log")
         try:
             arms = harness.side_by_side(

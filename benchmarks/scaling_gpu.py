@@ -12,10 +12,11 @@
   where Triton is installed), which runs under FSDP2 as in one process;
   ``--body transformers`` measures transformers' forward instead.
 * **Loop** (``--loop``, :mod:`_scaling_loop`): ``agentrl train``'s trainer on 1, 2 and 4 GPUs
-  (``torchrun``; each rank's engine on its card), warm, medians of ``--loop-steps`` timed
+  (``torchrun``; each rank's engine on its card), warm, over ``--loop-steps`` timed
   steps: weak and strong scaling of a short and a generation-bound workload, each rank's split
   of a step, with the same learner body and levers (``loop_weak_efficiency_N``,
-  ``loop_strong_speedup_N``, ``loop_profile``).
+  ``loop_strong_speedup_N``, ``loop_profile``); ``--loop-dedicated`` adds the dedicated-inference
+  layout on N >= 2 cards (``loop_dedicated_vs_colocated_N``).
 * **Push**: ``benchmarks/weight_push.py``'s measurement for both shapes: the safetensors write
   plus ``/update_weights_from_disk`` vs the bucketed broadcast to ``agentrl serve`` on another
   card (NCCL; gloo on a CPU host).
@@ -225,17 +226,22 @@ def run_workers(args: argparse.Namespace, gpus: int, work: Path) -> dict[str, An
     return dict(json.loads(out.read_text()))
 
 
-def run_loop(args: argparse.Namespace, gpus: int, work: Path) -> list[dict[str, Any]]:
-    """Every loop measurement on ``gpus`` ranks, in one torchrun launch (``_scaling_loop``)."""
-    out = work / f"loop-{gpus}.json"
-    steps = ["--loop-warmup", str(args.loop_warmup), "--loop-steps", str(args.loop_steps)]
+def run_loop(
+    args: argparse.Namespace, gpus: int, work: Path, dedicated: bool = False
+) -> list[dict[str, Any]]:
+    """Every loop measurement on ``gpus`` ranks, in one torchrun launch (``_scaling_loop``);
+    ``dedicated``: ``gpus // 2`` learner ranks, their engines on the other cards."""
+    out = work / f"loop-{gpus}{'-dedicated' if dedicated else ''}.json"
+    ranks = gpus // 2 if dedicated else gpus
+    steps = ["--loop-warmup", str(args.loop_warmup), "--loop-steps", str(args.loop_steps),
+             "--loop-max-staleness", str(args.loop_max_staleness)]
     for w in ("short", "gen"):
         steps += [f"--loop-{w}-tasks", str(getattr(args, f"loop_{w}_tasks")),
                   f"--loop-{w}-tokens", str(getattr(args, f"loop_{w}_tokens"))]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={gpus}", str(Path(__file__).resolve()), "--worker", "--out",
+           f"--nproc-per-node={ranks}", str(Path(__file__).resolve()), "--worker", "--out",
            str(out), "--device", args.device, "--body", args.body, *steps,
-           "--loop-plan", json.dumps(_scaling_loop.plan(args, gpus))]  # fmt: skip
+           "--loop-plan", json.dumps(_scaling_loop.plan(args, gpus, dedicated))]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr)  # the workers' output as it comes
     if proc.returncode != 0:
@@ -326,9 +332,10 @@ def main() -> None:
         progress(f"learner on {n} GPU(s): {learner[n]}")
     loop: list[dict[str, Any]] = []
     for n in args.gpus if args.loop else []:
-        for r in run_loop(args, n, work):
-            loop.append(r)
-            progress(f"loop on {n} GPU(s): {r}")
+        for dedicated in (False, True) if args.loop_dedicated and n >= 2 else (False,):
+            for r in run_loop(args, n, work, dedicated):
+                loop.append(r)
+                progress(f"loop on {n} GPU(s){' (dedicated)' * dedicated}: {r}")
     loop_ok = [r for r in loop if "error" not in r]
     push = run_push(args) if args.push and (args.device == "cpu" or max(args.gpus) >= 2) else {}
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)"
@@ -351,7 +358,7 @@ def main() -> None:
             print(f"{s:<12}{n:>5}{r[s]['tokens_per_s']:>11.0f}{r[s]['step_s']:>9.3f}"
                   f"{r[s]['peak_gib']:>10.2f}{eff:>7.1%}")  # fmt: skip
     if loop_ok:
-        print(f"the loop on {card}: sampled tokens/s (median of {args.loop_steps} timed steps "
+        print(f"the loop on {card}: sampled tokens/s (over {args.loop_steps} timed steps "
               f"after {args.loop_warmup} untimed) and each rank's median split of a step (s)")
         _scaling_loop.print_table(loop_ok)
     for s, r in push.items():

@@ -36,6 +36,12 @@ def test_unknown_argument_is_an_error() -> None:
     assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
 
 
+def test_serve_rejects_a_kv_cache_size_that_is_not_positive() -> None:
+    for bad in ("0", "-1", "nan"):  # before any model is built
+        out = agentrl("serve", "--model", "tiny", "--kv-cache-gib", bad)
+        assert out.returncode == 2 and "expected a size in GiB > 0" in out.stderr
+
+
 def check_rollout_output(path: Path, stdout: str, episodes: int) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == episodes

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from agentrl.kernels import invariant
+from agentrl.kernels import compile_guard, invariant
 from agentrl.kernels.fused_layer import _rms_norm, _rotate_half, exact_layer
 from agentrl.kernels.low_rank import LayerLora, Lora, layer_adapters, plus_each, plus_low_rank
 from agentrl.kernels.moe import is_sparse, moe_mlp, moe_unsupported_reason, selective_moe_mlp
@@ -283,13 +283,13 @@ class PackedBody:
         ]
         if compile:  # one graph per layer with varlen attention (it is a traceable custom op)
             options: dict[str, Any] | None = {"coordinate_descent_tuning": True} if tuned else None
-            self._pre = torch.compile(_pre_attention, dynamic=True, options=options)
-            self._post = torch.compile(_post_attention, dynamic=True, options=options)
-            self._varlen_layer = torch.compile(layer_fn, dynamic=True, options=options)
+            self._pre = compile_guard.compiled(_pre_attention, dynamic=True, options=options)
+            self._post = compile_guard.compiled(_post_attention, dynamic=True, options=options)
+            self._varlen_layer = compile_guard.compiled(layer_fn, dynamic=True, options=options)
             if any(self._sparse):
-                self._out = torch.compile(attention_out, dynamic=True, options=options)
-                self._half = torch.compile(self._half, dynamic=True, options=options)
-                self._experts = torch.compile(self._experts, dynamic=True, options=options)
+                self._out = compile_guard.compiled(attention_out, dynamic=True, options=options)
+                self._half = compile_guard.compiled(self._half, dynamic=True, options=options)
+                self._experts = compile_guard.compiled(self._experts, dynamic=True, options=options)
 
     def _sdpa_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]

@@ -173,16 +173,18 @@ class LocalEngine(WeightUpdates, LoraServing):
         max_batch_size: int = 64,
         weight_version: int = 0,
         return_routed_experts: bool | None = None,
+        kv_cache_gib: float | None = None,
     ) -> LocalEngine:
         """Build an engine from an HF model directory or a no-download ``agentrl.tiny`` preset.
 
         On CUDA a model directory loads in bfloat16 unless ``dtype`` says otherwise; on CPU in
         float32, so that sampled and recomputed log-probs agree to float tolerance.
+        ``kv_cache_gib``: the paged KV cache's size (default: a share of the free memory).
         """
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = model_io.load_model(path_or_preset, device, dtype)
         return cls(model, tokenizer, max_batch_size=max_batch_size, device=device, dtype=dtype,
-                   weight_version=weight_version,
+                   weight_version=weight_version, kv_cache_gib=kv_cache_gib,
                    return_routed_experts=return_routed_experts)  # fmt: skip
 
     @property

@@ -36,7 +36,7 @@ from agentrl.inference.engine import paged_moe
 from agentrl.inference.engine.kv_cache import PagedKVCache
 from agentrl.inference.engine.prefill_graphs import PrefillGraphs, pack_prefill
 from agentrl.inference.engine.sampling import row_keys, sample
-from agentrl.kernels import invariant
+from agentrl.kernels import compile_guard, invariant
 from agentrl.kernels.fused_layer import (
     _rms_norm,
     layer_first,
@@ -169,11 +169,11 @@ class PagedRunner:
             fns = [partial(f, exact=True) for f in fns]
         elif compile:
             options: dict[str, Any] = {"emulate_precision_casts": emulate_precision_casts}
-            fns = [torch.compile(f, dynamic=True, options=options) for f in fns]
+            fns = [compile_guard.compiled(f, dynamic=True, options=options) for f in fns]
         self._fns = fns
         self._attn_out: Callable[..., Any] = paged_moe.attention_out
         if compile and not batch_invariant:
-            self._attn_out = torch.compile(self._attn_out, dynamic=True, options=options)
+            self._attn_out = compile_guard.compiled(self._attn_out, dynamic=True, options=options)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         off = paged_moe.graphs_unavailable(model, self.dtype, self.device)
         self.graphs_off = off if self.cuda_graphs else None  # why asked-for graphs are off
