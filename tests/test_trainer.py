@@ -139,21 +139,31 @@ def addition_run(run_dir: Path, shuffle: bool) -> dict:
     }
 
 
-def _addition_summary(run_dir: str, shuffle: bool) -> dict:
+def _addition_summary(run_dir: str, shuffle: bool, resume: bool = False) -> dict:
     """One :func:`addition_run` in a process of its own, on one thread (two run side by side)."""
     import torch
 
     torch.set_num_threads(1)
-    return asyncio.run(Trainer(load_config(addition_run(Path(run_dir), shuffle))).run())
+    cfg = addition_run(Path(run_dir), shuffle)
+    if not resume:  # the shared cold start: checkpointed at step 0, no RL step
+        cfg["train"] = {**cfg["train"], "steps": 0}
+    return asyncio.run(Trainer(load_config(cfg), resume=resume).run())
 
 
 @pytest.mark.slow
 def test_gains_come_from_the_reward(tmp_path: Path) -> None:
     import multiprocessing
+    import shutil
 
-    runs = [(str(tmp_path / "real"), False), (str(tmp_path / "ctl"), True)]
+    # One cold start (most of the time), checkpointed at step 0; both runs resume from a copy
+    # of it (resume is exact: tests above), so they start from the same weights and RNG state.
+    runs = [(str(tmp_path / "real"), False, True), (str(tmp_path / "ctl"), True, True)]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.apply(_addition_summary, (str(tmp_path / "cold"), False))
+        for run_dir, _, _ in runs:
+            shutil.copytree(tmp_path / "cold", run_dir)
         real, control = pool.starmap(_addition_summary, runs)
+    assert real["steps"] == control["steps"] == 12
     # same seed, same cold start: both start from the same held-out success
     assert real["success_start"] == control["success_start"]
     gain = real["success_end"] - real["success_start"]
