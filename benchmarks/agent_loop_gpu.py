@@ -14,9 +14,9 @@ each from the same task cursor: ``sync``, the synchronous loop (generate the ste
 then update, then push); ``ceiling``, the same loop with no tool latency, timed as its rollout
 plus its update only (the same episodes' generation alone on the idle card, plus the learner
 alone on the same batch: what a loop that wasted nothing would take, one after the other on
-one card); ``loop``, the overlapped loop (``max_staleness=1``, partial rollouts: the turns in
-flight at a push resume on the new weights). The first ``--warmup`` steps of each phase are
-not timed.
+one card); ``loop``, the overlapped loop (``--max-staleness``, 1 by default; partial rollouts:
+the turns in flight at a push resume on the new weights). The first ``--warmup`` steps of each
+phase are not timed.
 
 Reported per phase, over its timed steps: trained tokens/s (prompt + response tokens of the
 trained sequences over the timed steps' wall time), GPU busy (``nvidia-smi``'s utilisation
@@ -100,6 +100,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first, a phase")
     ap.add_argument("--tasks", type=int, default=8, help="tasks a step (x --group episodes)")
     ap.add_argument("--group", type=int, default=4, help="episodes a task")
+    ap.add_argument("--max-staleness", type=int, default=1, help="the overlapped loop's")
     ap.add_argument("--max-response", type=int, default=4096, help="longest turn (tokens)")
     ap.add_argument("--latency-max-s", type=float, default=2.0, help="longest tool latency")
     ap.add_argument("--max-total-tokens", type=int, default=32768, help="context budget")
@@ -113,6 +114,7 @@ def parse_args() -> argparse.Namespace:
     checks = [("--turns", min(a.turns), 1, 64), ("--turns", max(a.turns), 1, 64),
               ("--steps", a.steps, 1, 1000), ("--warmup", a.warmup, 0, 100),
               ("--tasks", a.tasks, 1, 4096), ("--group", a.group, 2, 64),
+              ("--max-staleness", a.max_staleness, 1, 8),
               ("--max-response", a.max_response, 1, 32768),
               ("--latency-max-s", a.latency_max_s, 1e-3, 60.0),
               ("--max-total-tokens", a.max_total_tokens, 64, 131072)]  # fmt: skip
@@ -134,7 +136,7 @@ def workload(a: argparse.Namespace, turns: int) -> Workload:
 
 def build_trainer(a: argparse.Namespace, w: Workload, max_turns: int) -> Trainer:
     """One trainer for every setting: the engine decodes every row the pipeline may start."""
-    rows = 2 * a.tasks * a.group  # (max_staleness + 1) steps' episodes
+    rows = (a.max_staleness + 1) * a.tasks * a.group  # the steps' episodes in flight at once
     model: dict[str, Any] = {"device": "cpu"}
     learner: dict[str, Any] = {"lr": 1e-6, "num_minibatches": 1}
     total = min(a.max_total_tokens, 1024) if a.dry_run else a.max_total_tokens
@@ -160,7 +162,7 @@ def build_trainer(a: argparse.Namespace, w: Workload, max_turns: int) -> Trainer
                     "env_timeout_s": max(60.0, 4 * w.latency_s[1])},
         "learner": learner,
         "train": {"steps": 10**6, "tasks_per_step": a.tasks, "eval_every": 0,
-                  "max_staleness": 1},
+                  "max_staleness": a.max_staleness},
     })  # fmt: skip
     return Trainer(config)
 
