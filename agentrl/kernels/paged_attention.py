@@ -17,7 +17,8 @@ sequence; decode has one block of one token per sequence.
   heads that is 8-64 programs, each scanning the whole context alone, on a card of 132 SMs
   (H200). :func:`decode_splits` picks ``splits`` on the host from the row count alone (a decode
   step is a CUDA graph replayed at every context length), the kernel cuts the ranges from the
-  row's positions.
+  row's positions. Checked under Triton's interpreter only: the paged engine keeps one split
+  until a card has run ``tests/test_paged_attention_split.py`` and the long-history A/B.
 - Elsewhere: a plain torch reference (gather each sequence's keys, ``sdpa`` with a causal offset
   mask), used by the CPU tests of the paged engine.
 """

@@ -48,7 +48,7 @@ from agentrl.kernels.fused_layer import (
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.moe import is_sparse
 from agentrl.kernels.packed_body import unsupported_reason
-from agentrl.kernels.paged_attention import QueryBlocks, decode_splits, paged_attention, tile_rows
+from agentrl.kernels.paged_attention import QueryBlocks, paged_attention, tile_rows
 from agentrl.kernels.transfer import to_device
 
 PREFILL_TOKENS_PER_BLOCK = 32
@@ -359,8 +359,8 @@ class PagedRunner:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
         assert self._static is not None
         ids, pos, slots, rows, keys, inv_t, greedy = self._static[:7, :n]
-        splits = 1 if self.exact else decode_splits(n, self.sizes[1], self.device)  # flash-decoding
-        blocks = QueryBlocks.decode(rows, self._tile(1), splits)
+        arange = torch.arange(n, device=self.device)
+        blocks = QueryBlocks(rows, arange, torch.ones_like(arange), self._tile(1))
         logits = self._logits(self._forward(ids, pos, slots, blocks))
         inv_t = inv_t.to(torch.int32).view(torch.float32)  # float32 bits, carried as int64
         tokens, logprobs = self.sample(logits, inv_t, greedy.bool(), keys)
