@@ -267,7 +267,10 @@ class OpenEnvEnv(Env):
         self.done = False
 
     async def _open(self) -> _Remote | _Local:
+        # openenv-core imports gradio: 3-6 s, more on a busy host. Imported on the event loop it
+        # stalls every other episode, and their armed timers (the connect timeout) expire.
         if self.remote:
+            await asyncio.to_thread(importlib.import_module, "openenv.core.generic_client")
             if self.action_field is None:
                 schema = await _action_schema(self.target, self.timeouts[0])
                 self.action_field = pick_text_field(schema, self.where)
@@ -277,7 +280,7 @@ class OpenEnvEnv(Env):
                 message_timeout_s=self.timeouts[1],
                 max_message_bytes=self.max_message_bytes,
             )
-        cls, action_cls = _load_class(self.target)
+        cls, action_cls = await asyncio.to_thread(_load_class, self.target)
         if self.action_field is None:
             self.action_field = pick_text_field(action_cls.model_json_schema(), self.where)
         return _Local(cls, action_cls)

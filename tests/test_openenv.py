@@ -111,18 +111,29 @@ def expected(seed: int) -> list[tuple[float, bool, str]]:
 
 
 async def test_served_env_maps_reset_step_rewards_and_done(server: str) -> None:
-    t0 = time.perf_counter()
     assert await play(f"openenv:{server}", 3) == expected(3)
-    # many episodes at once, one session each: all see their own secret
+    # many episodes at once, one session each: all see their own secret, and the server holds
+    # many sessions at the same time (counted, not timed: timings fail on a loaded machine)
     seeds = list(range(40))
+    peak, running = 0, True
+
+    async def watch() -> None:
+        nonlocal peak
+        while running:
+            peak = max(peak, sessions(server))
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
     got = await asyncio.gather(*(play(f"openenv:{server}", s) for s in seeds))
+    running = False
+    await watcher
     assert got == [expected(s) for s in seeds]
+    assert peak >= 10, peak
     for _ in range(50):  # the server closes its side right after our close
         if sessions(server) == 0:
             break
         await asyncio.sleep(0.02)
     assert sessions(server) == 0
-    assert time.perf_counter() - t0 < 10
 
 
 async def test_in_process_class_and_its_concurrency_flag(folder: Path) -> None:
@@ -237,7 +248,7 @@ def test_rollout_and_two_train_steps_from_the_cli(server: str, folder: Path) -> 
         "--out",
         "guess.jsonl",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     recs = [json.loads(ln) for ln in (folder / "guess.jsonl").read_text().splitlines()]
     assert len(recs) == 4 and all(r["env_id"] == f"openenv:{server}" for r in recs)
     errors = [r["trajectory"]["error"] for r in recs]
