@@ -31,13 +31,16 @@ $(VENV)/sglang_api_types.py: $(STAMP)
 	rm -rf $(VENV)/sglang-wheel
 
 # Two pytest workers: on 2 cores the suite takes ~5.3 min instead of ~8 (much of it waits on
-# servers and subprocesses). TEST_WORKERS=0 runs it in one process.
+# servers and subprocesses). TEST_WORKERS=0 runs it in one process. --dist loadfile: a file's
+# tests go to one worker, so a module fixture (a training run, a server) is built once, not on
+# both; in collection order, where tests/conftest.py puts the files with slow tests first.
+# (loadgroup's xdist_group marks do nothing under pytest 9: xdist 3.8 tags the old node id.)
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(VENV)/sglang_api_types.py
 	$(PY) -m ruff check agentrl envs verifiers recipes tests benchmarks
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The slow tests again with two busy processes competing for the CPU (a loaded 2-core CI box):
 # nothing may be timing-flaky. The hogs are killed by pid whatever the outcome.

@@ -48,7 +48,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip cleanly where there is no CUDA device (CI, laptops)."""
+    """Modules with a ``slow`` test run first; ``gpu`` tests skip where there is no CUDA device.
+
+    Slow first: pytest-xdist hands files out in this order (``--dist loadfile``), so the long
+    ones start early and the workers finish together (a long test handed out last would run
+    alone). A module's tests stay together (its module fixtures are built once), in their order.
+    """
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")

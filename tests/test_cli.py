@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.cli import build_parser
 from agentrl.types import Trajectory
 
 
@@ -36,10 +37,16 @@ def test_unknown_argument_is_an_error() -> None:
     assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
 
 
-def test_serve_rejects_a_kv_cache_size_that_is_not_positive() -> None:
-    for bad in ("0", "-1", "nan"):  # before any model is built
-        out = agentrl("serve", "--model", "tiny", "--kv-cache-gib", bad)
-        assert out.returncode == 2 and "expected a size in GiB > 0" in out.stderr
+def test_serve_rejects_a_kv_cache_size_that_is_not_positive(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = agentrl("serve", "--model", "tiny", "--kv-cache-gib", "0")  # before any model is built
+    assert out.returncode == 2 and "expected a size in GiB > 0" in out.stderr
+    for bad in ("-1", "nan"):  # the same parser in this process (a launch costs seconds)
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_known_args(["serve", "--model", "tiny", "--kv-cache-gib", bad])
+        assert exited.value.code == 2
+        assert "expected a size in GiB > 0" in capsys.readouterr().err
 
 
 def check_rollout_output(path: Path, stdout: str, episodes: int) -> None:

@@ -1,9 +1,9 @@
 """The packed body under FSDP2 (2 ranks) equals the packed body in one process.
 
 CPU: gloo, float32, the packed body's sdpa attention, with ``checkpoint_layers`` and
-``selective_recompute`` on, for the tiny Qwen3 and the tiny Qwen3-MoE. The test runs this file
-under ``torch.distributed.run``; each rank builds the same model and batch, and rank 0 saves
-what the ranks computed together:
+``selective_recompute`` on, for the tiny Qwen3 and the tiny Qwen3-MoE. The CPU tests run this
+file once under ``torch.distributed.run`` (every case in turn); each rank builds the same model
+and batch, and rank 0 saves what the ranks computed together:
 
 * the log-probs before any update (``recompute_old_logprobs``: a forward of every sample);
 * the gradient of one mini-batch: the learner's optimizer swapped for SGD with ``lr=1`` (no
@@ -124,27 +124,42 @@ def run(kind: str, device: str, settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _worker(out_dir: Path, kind: str, device: str) -> None:
+def _worker(out_dir: Path, runs: list[tuple[str, str]]) -> None:
+    """Each ``(kind, device)`` run in turn on one process group; rank 0 saves each result."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if device == "cuda":
+    devices = {device for _, device in runs}
+    if "cuda" in devices:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    result = run(kind, device.removesuffix("-bf16"), settings(kind, device))
-    if dist.get_rank() == 0:
-        torch.save(result, out_dir / "result.pt")
+    dist.init_process_group("nccl" if "cuda" in devices else "gloo")
+    for kind, device in runs:
+        result = run(kind, device.removesuffix("-bf16"), settings(kind, device))
+        if dist.get_rank() == 0:
+            torch.save(result, out_dir / f"result-{kind}-{device}.pt")
     dist.destroy_process_group()
 
 
-def two_ranks(tmp_path: Path, kind: str, device: str) -> dict[str, Any]:
+def two_ranks(tmp_path: Path, runs: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """``runs`` on two ranks, in one torchrun launch (a launch costs seconds of imports)."""
     tmp_path.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [__file__, str(tmp_path), kind, device]
+    cmd += [__file__, str(tmp_path), *(f"{kind}:{device}" for kind, device in runs)]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out: dict[str, Any] = torch.load(tmp_path / "result.pt", weights_only=False)
-    return out
+    return {
+        (kind, device): torch.load(tmp_path / f"result-{kind}-{device}.pt", weights_only=False)
+        for kind, device in runs
+    }
+
+
+CPU_RUNS = [("dense", "cpu"), ("moe", "cpu"), ("moe-model", "cpu"), ("dense", "cpu-bf16")]
+
+
+@pytest.fixture(scope="module")
+def cpu_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
+    """The CPU tests' two-rank results, all from one launch."""
+    return two_ranks(tmp_path_factory.mktemp("packed_fsdp"), CPU_RUNS)
 
 
 def flat_logprobs(result: dict[str, Any]) -> torch.Tensor:
@@ -154,8 +169,8 @@ def flat_logprobs(result: dict[str, Any]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "moe-model"])
-def test_packed_body_under_fsdp_matches_one_process(tmp_path: Path, kind: str) -> None:
-    dist = two_ranks(tmp_path, kind, "cpu")
+def test_packed_body_under_fsdp_matches_one_process(cpu_ranks: dict, kind: str) -> None:
+    dist = cpu_ranks[kind, "cpu"]
     torch.set_num_threads(1)
     one = run(kind, "cpu", settings(kind, "cpu"))
 
@@ -181,10 +196,10 @@ def test_packed_body_under_fsdp_matches_one_process(tmp_path: Path, kind: str) -
         torch.testing.assert_close(dist["weights"][k], w, atol=1e-5, rtol=0, msg=k)
 
 
-def test_bf16_gathers_under_fsdp_stay_within_bf16_rounding(tmp_path: Path) -> None:
+def test_bf16_gathers_under_fsdp_stay_within_bf16_rounding(cpu_ranks: dict) -> None:
     """``fsdp_gather_dtype="bfloat16"``: the blocks compute with bf16-rounded weights (norms
     included), so the update moves off the float32-gathered one by bf16 rounding, not more."""
-    dist = two_ranks(tmp_path, "dense", "cpu-bf16")
+    dist = cpu_ranks["dense", "cpu-bf16"]
     torch.set_num_threads(1)
     one = run("dense", "cpu", CPU_BF16)  # one process gathers nothing: float32 weights
     lp, lp_dist = flat_logprobs(one), flat_logprobs(dist)
@@ -213,7 +228,7 @@ def test_packed_body_under_fsdp_matches_one_gpu(tmp_path: Path) -> None:
         single = subprocess.Popen(cmd, env={**ENV, "CUDA_VISIBLE_DEVICES": "0"}, stdout=out,
                                   stderr=subprocess.STDOUT)  # fmt: skip
         try:
-            dist = two_ranks(tmp_path / "two", "dense", "cuda")
+            dist = two_ranks(tmp_path / "two", [("dense", "cuda")])["dense", "cuda"]
             single.wait(timeout=600)
         finally:
             single.kill()
@@ -234,8 +249,8 @@ def test_packed_body_under_fsdp_matches_one_gpu(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[3] == "cuda-single":  # the single-GPU reference, in a process of its own
+    if sys.argv[3:] == ["cuda-single"]:  # the single-GPU reference, in a process of its own
         torch.save(run(sys.argv[2], "cuda", settings(sys.argv[2], "cuda")),
                    Path(sys.argv[1]) / "result.pt")  # fmt: skip
-    else:
-        _worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    else:  # OUT_DIR KIND:DEVICE ...
+        _worker(Path(sys.argv[1]), [(k, d) for k, d in (a.split(":") for a in sys.argv[2:])])

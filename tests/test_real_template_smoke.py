@@ -6,6 +6,7 @@ answers every prompt with a thought and a calculator call (training it to would 
 a CPU), so the episodes really are multi-turn with a tool. ``agentrl serve --model DIR`` serves
 it on loopback and ``recipes/math_agent.py --preset qwen3-1.7b --endpoint URL model.path=DIR``
 trains two steps on ``math-tool-v0``, with only sizes, CPU settings and a shaper overridden.
+Both tests share one stand-in and one server (each run first pushes its own initial weights).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ServerProcess, start_tiny_server
 from fixtures.chat_templates import QWEN3
 from fixtures.qwen_bpe import save_qwen_tokenizer
 
@@ -76,11 +79,24 @@ def build_stand_in(directory: Path) -> None:
     assert tok.decode(out[0, len(prompt) :]) == REPLY + "<|im_end|>"
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen3-tiny")
+    build_stand_in(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[ServerProcess]:
+    process = start_tiny_server("--model", str(model_dir))
+    yield process
+    process.stop()
+
+
 @pytest.mark.slow
-def test_qwen3_preset_runs_on_a_tiny_stand_in(tmp_path: Path, tiny_server_factory) -> None:
-    model_dir = tmp_path / "qwen3-tiny"
-    build_stand_in(model_dir)
-    server = tiny_server_factory("--model", str(model_dir))
+def test_qwen3_preset_runs_on_a_tiny_stand_in(
+    tmp_path: Path, model_dir: Path, server: ServerProcess
+) -> None:
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, str(ROOT / "recipes" / "math_agent.py"), "--preset", "qwen3-1.7b",
@@ -117,13 +133,10 @@ def test_qwen3_preset_runs_on_a_tiny_stand_in(tmp_path: Path, tiny_server_factor
 
 @pytest.mark.slow
 def test_qwen3_code_preset_gets_past_its_first_rollout(
-    tmp_path: Path, tiny_server_factory
+    tmp_path: Path, model_dir: Path, server: ServerProcess
 ) -> None:
     """``recipes/code_agent.py --preset qwen3-1.7b`` on the same stand-in: its replies hold no
     code block, so code-v0 answers with feedback and the episode goes on, turn after turn."""
-    model_dir = tmp_path / "qwen3-tiny"
-    build_stand_in(model_dir)
-    server = tiny_server_factory("--model", str(model_dir))
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, str(ROOT / "recipes" / "code_agent.py"), "--preset", "qwen3-1.7b",

@@ -115,7 +115,7 @@ def test_bad_config_names_the_field(tmp_path: Path) -> None:
 
 
 def addition_run(run_dir: Path, shuffle: bool) -> dict:
-    """The demo's task at a smaller scale: cold start to ~30%, then 12 GSPO-token steps."""
+    """The demo's task at a smaller scale: cold start to ~30%, then 8 GSPO-token steps."""
     return {
         "run_dir": str(run_dir),
         "seed": 0,
@@ -135,7 +135,9 @@ def addition_run(run_dir: Path, shuffle: bool) -> dict:
         },
         "advantages": {"shuffle_rewards": shuffle},
         "learner": {"lr": 1e-4, "num_minibatches": 4},
-        "train": {"steps": 12, "tasks_per_step": 32, "eval_every": 0, "max_staleness": 0},
+        # 8 steps show it with a 2x margin (12 measured +16 points; the cold start is most
+        # of the time either way)
+        "train": {"steps": 8, "tasks_per_step": 32, "eval_every": 0, "max_staleness": 0},
     }
 
 
@@ -163,12 +165,12 @@ def test_gains_come_from_the_reward(tmp_path: Path) -> None:
         for run_dir, _, _ in runs:
             shutil.copytree(tmp_path / "cold", run_dir)
         real, control = pool.starmap(_addition_summary, runs)
-    assert real["steps"] == control["steps"] == 12
+    assert real["steps"] == control["steps"] == 8
     # same seed, same cold start: both start from the same held-out success
     assert real["success_start"] == control["success_start"]
     gain = real["success_end"] - real["success_start"]
     control_gain = control["success_end"] - control["success_start"]
-    # measured here: +12 points with the reward, -19 with rewards shuffled within each batch
+    # measured here: +13 points with the reward, -17 with rewards shuffled within each batch
     assert gain >= 0.06, (real, control)
     assert control_gain <= 0.02, (real, control)
     assert gain - control_gain >= 0.15, (real, control)
