@@ -227,6 +227,12 @@ class TeacherConfig(_Section):
     reward's per-token advantage (``advantages``)."""
     kl_coef: float = Field(1.0, gt=0)
     """The weight of the per-token reverse KL in the advantage."""
+    temperature: float = Field(1.0, gt=0)
+    """The teacher's distribution the student is pulled toward: its log-probs are
+    ``log_softmax(z / temperature)`` of its logits ``z``. Below 1 it is sharpened toward its
+    greedy choice (what held-out greedy evaluation measures); 1 is its own distribution. An
+    ``endpoint`` teacher must keep 1: SGLang's prompt log-probs are untempered and come for the
+    scored token alone, so the tempered normalisation cannot be formed from them."""
     tiny: dict[str, Any] = Field(default_factory=dict)
     """``model = "tiny"``: overrides of the tiny model's config (a larger teacher)."""
     seed: int | None = None
@@ -263,6 +269,12 @@ class TeacherConfig(_Section):
     def _one_teacher(self) -> TeacherConfig:
         if self.model is not None and self.endpoint is not None:
             raise ValueError("endpoint: expected model or endpoint, got both")
+        if self.endpoint is not None and self.temperature != 1.0:
+            raise ValueError(
+                f"temperature: expected 1.0 with an endpoint (its prompt log-probs are "
+                f"untempered, one per token), got {self.temperature}; a tempered teacher must "
+                "be teacher.model"
+            )
         return self
 
     @property

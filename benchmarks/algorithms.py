@@ -18,10 +18,11 @@ order ``2 k3 = E[(r - 1)^2]``, which is ``Var(r)`` as ``E[r] = 1`` under the sam
 
 Distillation: the teacher is a trained ``cpu-tiny`` run's export (the GSPO-token arm's first
 seed, or a run of its own, or ``--teacher DIR``); the ``cpu-tiny-distill`` preset's student (the
-teacher's shape, from its own cold start) is trained from the same start and seeds with
-``teacher.mode=distill`` (the preset's GRPO token-level loss; ``--distill-mode rl+distill``: the
-KL term added to the RL advantage) and with RL alone (GSPO-token, no teacher). Its figure: RL
-seconds to come within 10 points of the teacher's held-out success.
+teacher's shape, from its own cold start) is trained from the same start and seeds with the
+preset's teacher settings (``rl+distill``, ``kl_coef`` 0.1, ``temperature`` 0.25, GRPO
+token-level loss; ``--distill-mode``, ``--teacher-temperature`` and ``--distill-override``
+change them) and with RL alone (cpu-tiny's own RL: GSPO-token at its learning rate, no
+teacher). Its figure: RL seconds to come within 10 points of the teacher's held-out success.
 
 Runs go ``--parallel`` at a time (torch threads 1 each), so arms share the machine alike.
 """
@@ -308,14 +309,32 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], dict[str, Any]
         if args.student_cold_start else []))]  # fmt: skip
     if args.quick:  # the student has the teacher's shape and seed, and 2 RL steps may change
         student.append("--cold_start.steps=20")  # nothing: start it elsewhere (a KL above 0)
+    distill = [*([] if args.distill_mode is None else [f"--teacher.mode={args.distill_mode}"]),
+               *([] if args.teacher_temperature is None
+                 else [f"--teacher.temperature={args.teacher_temperature}"]),
+               *args.distill_override]  # fmt: skip
+    # RL alone is cpu-tiny's own RL (the teacher's recipe: its loss and learning rate) on the
+    # distillation preset's student, whatever learner settings that preset gives distillation
+    rl = ["--teacher.model=null", "--learner.loss=gspo_token", f"--learner.lr={rl_lr()}"]
     for s in args.seeds:
-        runs.append(Run("distill", "distill", s, "cpu-tiny-distill",
-                        [f"--teacher.mode={args.distill_mode}", *student],
+        runs.append(Run("distill", "distill", s, "cpu-tiny-distill", [*distill, *student],
                         out / "distill" / f"distill-s{s}", needs_teacher=True))  # fmt: skip
-        runs.append(Run("distill", "rl", s, "cpu-tiny-distill",
-                        ["--teacher.model=null", "--learner.loss=gspo_token", *student],
+        runs.append(Run("distill", "rl", s, "cpu-tiny-distill", [*rl, *student],
                         out / "distill" / f"rl-s{s}"))  # fmt: skip
     return runs, teacher
+
+
+def presets() -> dict[str, Any]:
+    """The recipe's presets (imported lazily: the recipe imports torch)."""
+    sys.path.insert(0, str(RECIPE.parent))
+    from math_agent import PRESETS
+
+    return PRESETS
+
+
+def rl_lr() -> float:
+    """cpu-tiny's RL learning rate (the preset the teacher was trained with)."""
+    return float(presets()["cpu-tiny"]["learner"]["lr"])
 
 
 def distill_report(runs: list[Run], teacher: dict[str, Any]) -> dict[str, Any] | None:
@@ -425,9 +444,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--distill-mode",
-        default="distill",
+        default=None,
         choices=["distill", "rl+distill"],
-        help="teacher.mode of the distillation arm (rl+distill: the KL term added to RL's)",
+        help="teacher.mode of the distillation arm (default: the preset's; rl+distill: the KL "
+        "term added to RL's, distill: alone)",
+    )
+    ap.add_argument(
+        "--teacher-temperature",
+        type=float,
+        default=None,
+        help="teacher.temperature of the distillation arm (default: the preset's)",
+    )
+    ap.add_argument(
+        "--distill-override",
+        action="append",
+        default=[],
+        help="a config override for the distillation arm only, e.g. "
+        "--distill-override=--teacher.kl_coef=2",
     )
     ap.add_argument("--no-distill", action="store_true", help="the four losses only")
     ap.add_argument("--out", default=None, help="directory for the runs (default: a temp dir)")
@@ -452,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"--out: {out} is not empty (runs would collide)")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     t0, host = time.perf_counter(), machine()
+    taught = presets()["cpu-tiny-distill"]["teacher"]  # the distillation arm's preset settings
     defaults = {arm: loss_defaults(arm) for arm in args.arms}
     for arm, d in defaults.items():
         print(f"[progress] {arm}: the loss's default clip settings {d}", flush=True)
@@ -460,7 +494,10 @@ def main(argv: list[str] | None = None) -> None:
     schedule(runs, args.parallel, out / "logs", teacher)
     report: dict[str, Any] = {"benchmark": "algorithms", "task": args.task, "seeds": args.seeds,
                               "level": args.level, "parallel": args.parallel,
-                              "distill_mode": args.distill_mode,
+                              "distill_mode": args.distill_mode or taught.get("mode"),
+                              "teacher_temperature": args.teacher_temperature
+                              or taught.get("temperature", 1.0),
+                              "distill_override": args.distill_override,
                               "quick": args.quick, "out": str(out)}  # fmt: skip
     report["arms"] = {arm: {"defaults": defaults[arm],
                             **summarise([r for r in runs if r.group == "arms" and r.arm == arm],

@@ -57,11 +57,13 @@ def _args(*argv: str) -> argparse.Namespace:
         teacher=None,
         teacher_success=None,
         student_cold_start=0,
-        distill_mode="distill",
+        distill_mode=None,
+        teacher_temperature=None,
+        distill_override=[],
         no_distill=False,
     )
     for item in argv:
-        key, value = item.split("=")
+        key, value = item.split("=", 1)
         setattr(ns, key, json.loads(value))
     return ns
 
@@ -84,6 +86,17 @@ def test_plan_reuses_the_gspo_token_run_as_teacher(tmp_path: Path) -> None:
     assert teacher["run"].group == "teacher" and teacher["run"].preset == "cpu-tiny"
     runs, _ = bench.plan(_args("student_cold_start=200", "no_distill=false"), tmp_path)
     assert "--cold_start.steps=200" in runs[-1].args and "--cold_start.steps=200" in runs[-2].args
+    # the distillation arm runs the preset's teacher settings unless told otherwise
+    assert not any("temperature" in a or "teacher.mode=" in a for r in runs for a in r.args)
+    runs, _ = bench.plan(_args('distill_mode="distill"'), tmp_path)
+    assert [r.arm for r in runs if "--teacher.mode=distill" in r.args] == ["distill"] * 3
+    # a tempered teacher: the distillation arm only, RL alone has no teacher to temper
+    runs, _ = bench.plan(_args("teacher_temperature=0.5"), tmp_path)
+    tempered = [r.arm for r in runs if "--teacher.temperature=0.5" in r.args]
+    assert tempered == ["distill"] * 3
+    runs, _ = bench.plan(_args('distill_override=["--learner.lr=0.0002"]'), tmp_path)
+    lrs = [(r.arm, a) for r in runs if r.group == "distill" for a in r.args if "lr=" in a]
+    assert lrs == [("distill", "--learner.lr=0.0002"), ("rl", "--learner.lr=0.0001")] * 3
 
 
 def _write_run(run_dir: Path, seed: int, evals: list[float], clip: list[float]) -> None:

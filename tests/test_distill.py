@@ -237,4 +237,6 @@ def test_distill_preset_student_is_the_teachers_shape_from_its_cold_start() -> N
     # RL alone on this student is the teacher's own run from the same start: it can reach it
     assert student.model == teacher.model and student.cold_start == teacher.cold_start
     assert student.env == teacher.env and student.learner.loss == "grpo"
-    assert student.teacher.mode == "distill" and student.rollout.temperature == 1.0
+    assert student.teacher.mode == "rl+distill" and student.rollout.temperature == 1.0
+    # the teacher sharpened toward its greedy choice, a small weight beside the RL advantage
+    assert (student.teacher.temperature, student.teacher.kl_coef) == (0.25, 0.1)

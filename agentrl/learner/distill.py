@@ -14,7 +14,12 @@ per-token advantage (:func:`~agentrl.learner.advantages.compute_token_advantages
 sampled tokens (``loss_mask`` 1) carry the term: prompt, tool and observation tokens stay 0.
 
 The student's log-probs are the engine's (``Trajectory.logprobs``, at the rollout's
-temperature); the teacher's are untempered, as SGLang's prompt log-probs are.
+temperature). The teacher's are those of its distribution at ``teacher.temperature`` (tau):
+``log p_teacher(y_t) = log_softmax(z_t / tau)[y_t]`` of its logits ``z_t``. tau = 1 (the
+default, and an endpoint teacher's only value: SGLang's prompt log-probs are untempered) is the
+teacher itself; tau < 1 sharpens it toward its greedy choice, so the student descends
+``KL(student || softmax(z / tau))``: a teacher that samples poorly at temperature 1 but well
+greedily then teaches its greedy behaviour rather than its sampling noise.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``teacher.model`` runs a model of its own (right-padded batched forwards) on the
 policy's device (built like the policy: a ``tiny`` preset or an HF directory such as a trained
-run's ``RUN_DIR/export``); ``teacher.endpoint`` scores on an SGLang-compatible server through
+run's ``RUN_DIR/export``), at ``teacher.temperature`` (its logits divided by it before the
+softmax); ``teacher.endpoint`` (temperature 1 only) scores on an SGLang-compatible server through
 ``/generate`` with ``input_ids`` = the whole sequence, ``max_new_tokens`` 0, ``return_logprob``
 and ``logprob_start_len`` 0 (its ``input_token_logprobs``). Either way the teacher sees the
 student's exact token ids, so both must share one vocabulary: a teacher that does not is
@@ -52,8 +53,26 @@ def vocab_mismatch(student: Any, teacher: Any) -> str | None:
     )
 
 
+def tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, tau: float) -> torch.Tensor:
+    """``log_softmax(logits / tau)`` at ``targets`` (float64), without a float64 copy of the rows.
+
+    The row's max is taken out first: the gathered term ``(z_y - max) / tau`` is formed in
+    float64, and the log-sum-exp of the shifted row lies in ``[0, log V]``, where float32 is
+    within ~1e-7. (A float32 ``log_softmax`` of ``z / tau`` would round a log-prob of -30 to
+    ~4e-6: sharpening makes such log-probs common.)
+    """
+    top = logits.amax(-1, keepdim=True)
+    lse = torch.logsumexp((logits - top) / tau, -1).double()
+    picked = logits.gather(-1, targets[..., None])[..., 0].double() - top[..., 0].double()
+    return picked / tau - lse
+
+
 class _LocalScorer:
-    """An embedded engine's teacher-forced log-probs (untempered, as SGLang's prompt ones)."""
+    """Teacher-forced log-probs of a model run in this process, at ``teacher.temperature``.
+
+    At 1 they are untempered, as SGLang's prompt ones; below 1 each position's logits are
+    divided by it before the softmax (the whole row is here, so the normalisation is exact).
+    """
 
     def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
         from agentrl.loop.placement import load_policy
@@ -69,6 +88,7 @@ class _LocalScorer:
             raise ConfigError(f"teacher.model: {why}")
         # no engine: the teacher only runs whole-sequence forwards, several sequences at once
         self.model = model.eval()
+        self.temperature = t.temperature
         self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 32768)
 
     async def score(self, seqs: list[list[int]]) -> list[list[float]]:
@@ -93,7 +113,10 @@ class _LocalScorer:
                 mask[r, : len(seqs[i])] = 1
             with torch.inference_mode():  # right padding: causal rows never see it
                 logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-                lps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+                if self.temperature == 1.0:
+                    lps = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+                else:
+                    lps = tempered_logprobs(logits, ids[:, 1:], self.temperature)
             for r, i in enumerate(rows):
                 out[i] = [0.0, *lps[r, : len(seqs[i]) - 1].tolist()]
         return [out[i] for i in range(len(seqs))]
