@@ -17,22 +17,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "recipes"))
 
+import _algorithm_results as results  # noqa: E402
 import algorithms as bench  # noqa: E402
 
 
 def test_spread_and_time_to_level() -> None:
-    assert bench.spread([0.5, 0.9, 0.7]) == {"median": 0.7, "min": 0.5, "max": 0.9, "n": 3}
+    assert results.spread([0.5, 0.9, 0.7]) == {"median": 0.7, "min": 0.5, "max": 0.9, "n": 3}
     # a seed that never reached the level counts as infinite: median and max say "never"
-    assert bench.spread([30.0, None, None], 1) == {"median": None, "min": 30.0, "max": None,
+    assert results.spread([30.0, None, None], 1) == {"median": None, "min": 30.0, "max": None,
                                                    "n": 1}  # fmt: skip
-    assert bench.spread([30.0, 50.0, None], 1) == {"median": 50.0, "min": 30.0, "max": None,
+    assert results.spread([30.0, 50.0, None], 1) == {"median": 50.0, "min": 30.0, "max": None,
                                                    "n": 2}  # fmt: skip
-    assert bench.spread([None, None]) is None and bench.spread([]) is None
+    assert results.spread([None, None]) is None and results.spread([]) is None
     evals = [(0, 0.4, 0.0), (10, 0.79, 31.24), (20, 0.8, 60.06), (30, 0.95, 90.0)]
-    assert bench.time_to(evals, 0.8) == 60.1  # the first at or above, not the best
-    assert bench.time_to(evals, 0.3) == 0.0  # already there at RL start
-    assert bench.time_to(evals, 0.96) is None
-    assert bench.steps_to(evals, 0.8) == 20 and bench.steps_to(evals, 0.96) is None
+    assert results.time_to(evals, 0.8) == 60.1  # the first at or above, not the best
+    assert results.time_to(evals, 0.3) == 0.0  # already there at RL start
+    assert results.time_to(evals, 0.96) is None
+    assert results.steps_to(evals, 0.8) == 20 and results.steps_to(evals, 0.96) is None
 
 
 def test_each_loss_keeps_its_own_clip_defaults() -> None:
@@ -126,8 +127,8 @@ def test_figures_read_back_from_run_files(tmp_path: Path) -> None:
                               (2, [0.3, 0.5, 0.7], [0.0, 0.0])):  # fmt: skip
         d = tmp_path / f"s{seed}"
         _write_run(d, seed, evals, clip)
-        run = bench.Run("arms", "grpo", seed, "cpu-tiny", [], d)
-        run.result = bench.parse_run(d)
+        run = results.Run("arms", "grpo", seed, "cpu-tiny", [], d)
+        run.result = results.parse_run(d)
         runs.append(run)
     r0 = runs[0].result
     assert r0 is not None
@@ -137,7 +138,7 @@ def test_figures_read_back_from_run_files(tmp_path: Path) -> None:
     )
     assert r0["ratio_var"] == pytest.approx(2 * 0.02)  # 2 x the mean k3
     assert (r0["ratio_min"], r0["ratio_max"]) == (0.7, 1.3)
-    s = bench.summarise(runs, 0.8)
+    s = results.summarise(runs, 0.8)
     assert s["eval"]["1"] == {"median": 0.6, "min": 0.5, "max": 0.85, "n": 3}
     assert s["success_end"] == {"median": 0.82, "min": 0.7, "max": 0.9, "n": 3}
     assert s["time_to_level_s"] == {"median": 22.0, "min": 10.0, "max": None, "n": 2}
