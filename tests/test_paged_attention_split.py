@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -101,20 +100,10 @@ def _interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    errors: dict[str, float] = json.loads(lines[-1].removeprefix("RESULT "))
-    return errors
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_triton_attention import run_under_interpreter
+
+    return run_under_interpreter(str(Path(__file__).resolve()))
 
 
 @pytest.mark.parametrize("splits", SPLITS)

@@ -244,12 +244,12 @@ def _interpreter_main() -> None:
     print("RESULT " + json.dumps(report))
 
 
-@pytest.fixture(scope="module")
-def interpreter_report() -> dict[str, Any]:
+def run_under_interpreter(script: str) -> dict[str, Any]:
+    """`python SCRIPT --interpreter` under `TRITON_INTERPRET=1`: its `RESULT` line's JSON."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter"],
+        [sys.executable, script, "--interpreter"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -260,6 +260,11 @@ def interpreter_report() -> dict[str, Any]:
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     report: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
     return report
+
+
+@pytest.fixture(scope="module")
+def interpreter_report() -> dict[str, Any]:
+    return run_under_interpreter(str(Path(__file__).resolve()))
 
 
 @pytest.mark.parametrize("case", list(CASES))
