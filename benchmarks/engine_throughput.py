@@ -13,6 +13,9 @@ qwen3-0.6b-shape` builds a Qwen3-0.6B-shaped model from its config with random w
 a GPU). Also measures how far the engine's returned log-probs are from a teacher-forced forward
 pass of the same model (the mismatch the learner sees).
 
+``--split-decode on off`` times the levels (and the long histories) again on a fresh engine
+with flash-decoding off (``split_decode_compare``).
+
 Prints a table, then as the last line one JSON object with the headline figures:
 `batching_speedup_64` = engine tokens/s with 64 concurrent requests / sequential `model.generate`
 tokens/s (one request at a time).
@@ -45,7 +48,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from agentrl.errors import ServerError
 from agentrl.inference.base import SamplingParams
-from agentrl.inference.engine import LocalEngine
+from agentrl.inference.engine import LocalEngine, paged_runner
 from agentrl.tiny import QWEN3_0_6B_SHAPE, build_tiny
 
 
@@ -224,6 +227,11 @@ async def long_context(engine: LocalEngine, args: argparse.Namespace, vocab: int
     }
 
 
+def result_rows(rows: dict[int, float]) -> dict[str, float]:
+    """The concurrency levels' tokens/s under their JSON keys."""
+    return {f"engine_{level}_tokens_per_s": round(tps, 1) for level, tps in rows.items()}
+
+
 def learner_mismatch(
     model: Any, finals: list[list[int]], outs: list[list[Any]], exact: bool = False
 ) -> tuple[float, list[float], list[float]]:
@@ -294,6 +302,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = [int(k) for k in args.decode_steps.split(",")] if args.decode_steps else []
     if steps:
         kw["decode_steps"] = steps[0]
+    split_default = paged_runner.SPLIT_DECODE
+    paged_runner.SPLIT_DECODE = args.split_decode[0] == "on"  # read when a runner is built
     engine = LocalEngine(
         engine_model, tokenizer, max_batch_size=max(levels), seed=0, compile=args.compile, **kw
     )
@@ -329,6 +339,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await bench_engine(other, batch, 2, device)
             compare[str(k)][level], _ = await bench_engine(other, batch, args.new_tokens, device)
         await other.aclose()
+    splits: dict[str, dict[str, float]] = {}
+    for setting in args.split_decode[1:]:  # flash-decoding on/off side by side, fresh engines
+        paged_runner.SPLIT_DECODE = setting == "on"
+        other = LocalEngine(
+            engine_model, tokenizer, max_batch_size=max(levels), seed=0, compile=args.compile,
+            **kw,
+        )  # fmt: skip
+        await bench_engine(other, prompts(2, args.prompt_len, vocab, 99), 4, device)
+        splits[setting] = {}
+        for level in levels:
+            batch = prompts(level, args.prompt_len, vocab, 2 + level)
+            await bench_engine(other, batch, 2, device)
+            tps, _ = await bench_engine(other, batch, args.new_tokens, device)
+            splits[setting][f"engine_{level}_tokens_per_s"] = round(tps, 1)
+        if args.history_tokens:
+            hist = await long_context(other, args, vocab)
+            splits[setting]["history_decode_tokens_per_s"] = hist["history_decode_tokens_per_s"]
+        await other.aclose()
+    paged_runner.SPLIT_DECODE = split_default
     turns: dict[str, Any] = {}
     if args.history_tokens:  # the long-context episodes replace the short multi-turn mode
         turns = await long_context(engine, args, vocab)
@@ -397,6 +426,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for level, tps in by_level.items():
             name = f"  decode_steps={k}, {level} concurrent"
             print(f"{name:<34}{tps:>12.1f}{tps / hf_tps:>15.2f}x  ({rows[level] / tps:.2f}x)")
+    split_first = args.split_decode[0]
+    for setting, figures in splits.items():
+        for key, value in figures.items():
+            base = turns.get(key) or result_rows(rows).get(key)
+            print(f"  split decode {setting}: {key} {value} (split decode {split_first}: {base})")
     print(f"\nmax |engine logprob - teacher-forced| = {mismatch:.2e}")
     result: dict[str, Any] = {
         "benchmark": "engine_throughput",
@@ -407,12 +441,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "hf_sequential_tokens_per_s": None if hf_tps != hf_tps else round(hf_tps, 1),
-        **{f"engine_{level}_tokens_per_s": round(tps, 1) for level, tps in rows.items()},
+        **result_rows(rows),
         "logprob_max_abs_diff": mismatch,
         "paged": engine.paged,
         "decode_steps": steps[0] if steps else None,
         "emulate_precision_casts": kw["emulate_precision_casts"],
         "decode_steps_compare": compare,
+        "split_decode": split_first,
+        "split_decode_compare": splits,
         **turns,
         **exact,
     }
@@ -453,6 +489,14 @@ def main() -> None:
         "--decode-steps",
         default="",
         help="paged engine: decode steps per plan; a list (8,1) also times the others side by side",
+    )
+    parser.add_argument(
+        "--split-decode",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on" if paged_runner.SPLIT_DECODE else "off"],
+        help="flash-decoding (a decode row's keys over several programs where the rows leave "
+        "SMs idle); 'on off' also times the levels and long histories with the other, side by side",
     )
     parser.add_argument(
         "--emulate-precision-casts",

@@ -6,7 +6,8 @@ keep the token of the step in flight, weight updates drop cached prefixes, runni
 requeues a request without changing its result, runs of decode steps sample what single steps
 sample, and runs go on while requests wait for a row (none is free). GPU (``gpu``):
 graph-captured decode in runs of steps and graph-captured prefills equal eager single steps and
-eager prefills; log-probs match the learner's
+eager prefills; flash-decoding (split keys) samples what one program per row samples;
+log-probs match the learner's
 (bf16 autocast, packed body) within ``LEARNER_TOL`` (the exact mode: tests/test_exact_mode.py).
 """
 
@@ -359,3 +360,39 @@ async def _logprobs_match_the_learner_in_bf16() -> None:
             )
         worst = max(worst, (got.cpu() - torch.tensor(out.logprobs)).abs().max().item())
     assert worst <= LEARNER_TOL, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_decode_equals_one_program_per_row():
+    asyncio.run(_split_decode_equals_one_program_per_row())
+
+
+async def _split_decode_equals_one_program_per_row() -> None:
+    """Flash-decoding (``SPLIT_DECODE``: 2 rows leave most SMs idle, so each row's keys are
+    split) samples the tokens one program per row samples, over 700-token contexts."""
+    from agentrl.inference.engine import paged_runner
+
+    model = _qwen3(2)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 150000, (700 + 9 * i,), generator=gen).tolist() for i in range(2)]
+    outs, default = {}, paged_runner.SPLIT_DECODE
+    try:
+        for split in (True, False):
+            paged_runner.SPLIT_DECODE = split  # read when the runner is built
+            eng = LocalEngine(
+                copy.deepcopy(model), None, seed=0, max_batch_size=8, kv_cache_gib=0.5,
+                compute_dtype=torch.bfloat16,
+            )  # fmt: skip
+            try:
+                assert eng._paged is not None and eng._paged.split_decode == split
+                outs[split] = await asyncio.gather(
+                    *(eng.generate(p, sp(48, seed=i)) for i, p in enumerate(prompts))
+                )
+            finally:
+                await eng.aclose()
+    finally:
+        paged_runner.SPLIT_DECODE = default
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.output_ids == b.output_ids
+        assert max_err(a.logprobs, b.logprobs) < 2e-3

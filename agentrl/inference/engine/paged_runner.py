@@ -48,7 +48,12 @@ from agentrl.kernels.fused_layer import (
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.moe import is_sparse
 from agentrl.kernels.packed_body import unsupported_reason
-from agentrl.kernels.paged_attention import QueryBlocks, paged_attention, tile_rows
+from agentrl.kernels.paged_attention import (
+    QueryBlocks,
+    decode_splits,
+    paged_attention,
+    tile_rows,
+)
 from agentrl.kernels.transfer import to_device
 
 PREFILL_TOKENS_PER_BLOCK = 32
@@ -56,6 +61,13 @@ DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy", "s
 """Rows of a decode step's metadata, one int64 column per sequence (one host-to-device copy);
 ``seeds`` and ``counts`` (tokens sampled so far) let a step derive the next step's keys."""
 _ONE_BITS = int(torch.tensor(1.0).view(torch.int32))  # float32 1.0 as int bits (padded rows)
+SPLIT_DECODE = False
+"""Decode steps whose rows alone leave the card's SMs idle split each row's keys over several
+programs (flash-decoding, :func:`~agentrl.kernels.paged_attention.decode_splits`); read when a
+runner is built. Never in the exact mode (a row's sum would depend on the batch size). Off
+until measured on a card (the kernel is checked under Triton's interpreter only):
+``benchmarks/engine_throughput.py --split-decode on off`` compares the two, and
+``tests/test_engine_paged.py``'s GPU test checks it samples what one program per row does."""
 RUN_CHUNK = 8
 """Inside a run of decode steps on a GPU, the host reads the sampled steps this many at a time,
 one chunk behind the card."""
@@ -110,6 +122,7 @@ class PagedRunner:
         if reason is not None:
             raise ValueError(f"model: the paged engine does not support {reason}")
         self.exact = batch_invariant
+        self.split_decode = SPLIT_DECODE and not batch_invariant
         cfg: Any = model.config
         self.model = model
         self.base: Any = model.base_model
@@ -359,8 +372,8 @@ class PagedRunner:
         """Logits ``(n, V)`` and sampled ``(2, n)`` float64 tokens and log-probs of the rows."""
         assert self._static is not None
         ids, pos, slots, rows, keys, inv_t, greedy = self._static[:7, :n]
-        arange = torch.arange(n, device=self.device)
-        blocks = QueryBlocks(rows, arange, torch.ones_like(arange), self._tile(1))
+        splits = decode_splits(n, self.sizes[1], self.device) if self.split_decode else 1
+        blocks = QueryBlocks.decode(rows, self._tile(1), splits)
         logits = self._logits(self._forward(ids, pos, slots, blocks))
         inv_t = inv_t.to(torch.int32).view(torch.float32)  # float32 bits, carried as int64
         tokens, logprobs = self.sample(logits, inv_t, greedy.bool(), keys)
