@@ -48,12 +48,7 @@ from agentrl.kernels.fused_layer import (
 from agentrl.kernels.matmul import mm32
 from agentrl.kernels.moe import is_sparse
 from agentrl.kernels.packed_body import unsupported_reason
-from agentrl.kernels.paged_attention import (
-    QueryBlocks,
-    decode_splits,
-    paged_attention,
-    tile_rows,
-)
+from agentrl.kernels.paged_attention import QueryBlocks, decode_splits, paged_attention, tile_rows
 from agentrl.kernels.transfer import to_device
 
 PREFILL_TOKENS_PER_BLOCK = 32
@@ -62,15 +57,11 @@ DECODE_META = ("ids", "pos", "slots", "rows", "keys", "inv_t_bits", "greedy", "s
 ``seeds`` and ``counts`` (tokens sampled so far) let a step derive the next step's keys."""
 _ONE_BITS = int(torch.tensor(1.0).view(torch.int32))  # float32 1.0 as int bits (padded rows)
 SPLIT_DECODE = False
-"""Decode steps whose rows alone leave the card's SMs idle split each row's keys over several
-programs (flash-decoding, :func:`~agentrl.kernels.paged_attention.decode_splits`); read when a
-runner is built. Never in the exact mode (a row's sum would depend on the batch size). Off
-until measured on a card (the kernel is checked under Triton's interpreter only):
-``benchmarks/engine_throughput.py --split-decode on off`` compares the two, and
-``tests/test_engine_paged.py``'s GPU test checks it samples what one program per row does."""
+"""Flash-decoding where a step's rows leave SMs idle (:func:`~agentrl.kernels.paged_attention.
+decode_splits`; never in the exact mode), read when a runner is built. Off until measured on a
+card: ``benchmarks/engine_throughput.py --split-decode on off``, tests/test_engine_paged.py."""
 RUN_CHUNK = 8
-"""Inside a run of decode steps on a GPU, the host reads the sampled steps this many at a time,
-one chunk behind the card."""
+"""In a run of decode steps on a GPU the host reads this many steps at a time, a chunk behind."""
 RunCut = Callable[[int, list[list[float]]], bool]
 """``cut(step, [tokens, log-probs])``: whether a run of decode steps ends after that step."""
 
@@ -199,11 +190,8 @@ class PagedRunner:
         self._seen: torch.Tensor | None = None  # pinned, flat: a run's sampled steps as they land
         # the decode graphs' memory pool (the prefill graphs have their own: prefill_graphs)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self._prefill_graphs = (
-            PrefillGraphs(self, prefill_graph_tokens)
-            if self.cuda_graphs and prefill_graph_tokens > 0
-            else None
-        )
+        graphs = self.cuda_graphs and prefill_graph_tokens > 0
+        self._prefill_graphs = PrefillGraphs(self, prefill_graph_tokens) if graphs else None
         if self._prefill_graphs is not None:  # every bucket now, not inside a run's first steps
             self._prefill_graphs.capture_all()
 
@@ -405,8 +393,7 @@ class PagedRunner:
             meta: ``(9, B)`` CPU int64 rows (:data:`DECODE_META`): the fed token, its position,
                 its KV slot, the block-table row, the sampling noise key, ``1 / T`` as float32
                 bits, the greedy flag, the sampling seed and the count of tokens sampled so
-                far. Copied to the device in one transfer; sampling is part of the captured
-                graph.
+                far. Copied to the device in one transfer; the captured graph samples too.
         """
         n = meta.shape[1]
         if self._static is None:
