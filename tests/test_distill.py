@@ -149,14 +149,18 @@ def distill_run(run_dir: Path, steps: int, **teacher) -> dict:
     }  # fmt: skip
 
 
-def test_distillation_run_logs_the_reverse_kl(tmp_path: Path) -> None:
-    # a sharper, differently seeded teacher: a clearly positive KL to the student
-    config = load_config(distill_run(tmp_path, 2, tiny={"initializer_range": 0.2}))
-    asyncio.run(Trainer(config).run())
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_distillation_run_logs_the_reverse_kl(tmp_path: Path, staleness: int) -> None:
+    # a sharper, differently seeded teacher: a clearly positive KL to the student; overlapped
+    # (staleness 1), every group is scored as it finishes (prefetched), not at its step
+    run = distill_run(tmp_path, 3, tiny={"initializer_range": 0.2})
+    run["train"]["max_staleness"] = staleness
+    asyncio.run(Trainer(load_config(run)).run())
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "distill/reverse_kl_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["time/teacher_s"] > 0 and r["distill/tokens"] > 0 for r in steps)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["time/teacher_busy_s"] > 0 and r["distill/tokens"] > 0 for r in steps)
+    assert [r["distill/prefetched_frac"] for r in steps] == [float(staleness)] * 3
     assert all(1.0 < r["distill/reverse_kl_mean"] < 10.0 for r in steps), steps
     assert "rollout/failed_teacher" not in steps[0]
     records = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
@@ -180,29 +184,49 @@ def one_group(tok) -> Group:
 def test_endpoint_teacher_scores_like_the_embedded_one(tiny_server) -> None:
     _, tok = build_tiny(seed=0)  # `agentrl serve --model tiny` builds seed 0
 
-    async def go(**teacher: object) -> tuple[Group, dict[str, float], list[list[float]]]:
+    async def go(
+        prefetch: bool = False, **teacher: object
+    ) -> tuple[Group, dict[str, float], list[list[float]]]:
         group, metrics = one_group(tok), {"rollout/failed": 0.0}
         t = make_teacher(config(batch_size=2, **teacher), tok)  # type: ignore[arg-type]
         assert t is not None
+        calls = []
+        real = t.scorer.score
+
+        async def counted(seqs: list[list[int]]) -> list[list[float]]:
+            calls.append(len(seqs))
+            return await real(seqs)
+
+        t.scorer.score = counted  # type: ignore[method-assign]
         try:
+            if prefetch:  # as the pipeline does when the group finishes
+                t.prefetch(group)
+                await asyncio.sleep(0.5)  # the worker scores it meanwhile
+                assert len(calls) == 2 and not group.trajectories[0].failed  # not yet failed
             await t.score([group], metrics)
+            assert len(calls) == 2  # 3 sequences in batches of 2, once either way
         finally:
             await t.aclose()
         return group, metrics, [t.scores.get(id(x), []) for x in group.trajectories]
 
     _, remote_metrics, remote = asyncio.run(go(endpoint=tiny_server.url))
     _, local_metrics, local = asyncio.run(go(model="tiny", seed=0))
+    _, early_metrics, early = asyncio.run(go(prefetch=True, model="tiny", seed=0))
+    assert early == local and early_metrics["time/teacher_busy_s"] > 0
+    assert early_metrics["distill/reverse_kl_mean"] == local_metrics["distill/reverse_kl_mean"]
     for r, loc in zip(remote, local, strict=True):
         torch.testing.assert_close(torch.tensor(r), torch.tensor(loc), rtol=0, atol=1e-5)
     assert remote_metrics["distill/reverse_kl_mean"] == pytest.approx(
         local_metrics["distill/reverse_kl_mean"], abs=1e-5
     )
-    # a teacher that cannot be reached fails its episodes, counted like other failures
-    group, metrics, scores = asyncio.run(go(endpoint="http://127.0.0.1:9"))
-    assert metrics["rollout/failed"] == metrics["rollout/failed_teacher"] == 3.0
-    assert all(t.failed and t.error.startswith("TeacherError: teacher http://127.0.0.1:9")
-               for t in group.trajectories) and scores == [[], [], []]  # fmt: skip
-    assert token_batch([group], load_config(None), None) == ([], [], 0)
+    # a teacher that cannot be reached fails its episodes, counted like other failures (once,
+    # at the step, when the group was scored early too)
+    for prefetch in (False, True):
+        group, metrics, scores = asyncio.run(go(prefetch, endpoint="http://127.0.0.1:9"))
+        assert metrics["rollout/failed"] == metrics["rollout/failed_teacher"] == 3.0
+        assert all(t.failed and t.error.startswith("TeacherError: teacher http://127.0.0.1:9")
+                   for t in group.trajectories) and scores == [[], [], []]  # fmt: skip
+        assert token_batch([group], load_config(None), None) == ([], [], 0)
 
 
 def test_dense_advantages_keep_their_gradient_under_grpo_not_gspo_token() -> None:

@@ -269,6 +269,8 @@ class Pipeline:
             self._failure = e
         else:
             self._buffer.append(ready := _ready(index, group, self._started_at.pop(index)))
+            if (teacher := getattr(t, "teacher", None)) is not None:
+                teacher.prefetch(group)  # scored while the others generate
             self._done_tokens += ready.tokens
             del self._inflight[index]
             self._fill()
