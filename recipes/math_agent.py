@@ -157,7 +157,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # sharpened teacher alone, a few tokens at -20 nats (those it all but rules out) swamp the
 # step; at 0.1 beside the outcome advantage it tells which digit of a wrong answer is wrong.
 # That comes within 10 points of the teacher in 50 steps (RL alone: 80), though not in less
-# wall time: a step costs ~1.5x (benchmarks/README.md). A student half as
+# wall time: a step costs ~1.5x (2-core CPU, 2026-12-08; benchmarks/README.md). A student half as
 # wide and 2 layers deep stayed near 0.38 in 80 steps of RL alone and of distillation (its
 # capacity; --model.tiny='{hidden_size: 64, ...}' shrinks it). GRPO's token ratio, not
 # GSPO-token's sequence ratio: a dense per-token advantage of either sign met GSPO-token's
