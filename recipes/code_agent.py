@@ -28,8 +28,9 @@ no signal. Both presets therefore use ``env.task_kwargs.layout="constants"``: th
 with ``constants: a=22 b=18`` and the demonstration binds ``a, b = 22, 18`` before
 ``return (x + a) * b``, so each digit is copied from a fixed distance back. The model still has
 to map the words to operators and write a program that passes the hidden tests in the sandbox.
-``cpu-tiny-fn`` then reaches held-out ~0.4 in ~400 SFT steps and RL raises it; the figures are in
-``docs/notes/2026-12-07-code-fn-cold-start.md``; ``gpu-small`` with this layout is unmeasured.
+``cpu-tiny-fn`` then reaches held-out 0.3-0.46 in 400-600 SFT steps; 23 RL steps took seed 0
+to 0.82 and left seed 1 at 0.42 (``docs/notes/2026-12-07-code-fn-cold-start.md``).
+``gpu-small`` with this layout is unmeasured.
 """
 
 from __future__ import annotations
